@@ -1,0 +1,221 @@
+"""Typed run configuration shared by the entrypoints, and every check on it.
+
+Each field's docstring is its `--help` text (tyro reads them). Derived sizes (`n_mini`,
+`n_micro`, per-rank shares) are properties computed here and never settable
+(spec/batching.md "The config surface"). `validate()` runs before any model, engine or
+process group is built, so a bad flag fails in a second with a message that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+TINY = "tiny"  # the --model.path value that selects the built-in tiny model
+
+
+class ConfigError(ValueError):
+    """A flag has a value minirl cannot run with; the message names the flag and a fix."""
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the built-in tiny Qwen2 model (used when --model.path is `tiny`)."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Decoder blocks."""
+    num_heads: int = 2
+    """Attention heads; head_dim = hidden_size / num_heads must be one the CPU attention runs."""
+    num_kv_heads: int = 1
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """MLP width."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = TINY
+    """A local Hugging Face folder, a hub name (org/name), or `tiny` for the built-in model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype in the trainer and the engine (float32 keeps CPU runs exact)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class RolloutConfig:
+    max_tokens: int = 8
+    """Most completion tokens sampled per sequence."""
+    max_prompt_tokens: int = 32
+    """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    kv_cache_gib: float = 1.0
+    """CPU only: the engine's KV cache in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.3
+    """CUDA only: the share of the card the engine may take, weights and KV cache."""
+    enforce_eager: Optional[bool] = None
+    """Run the engine without compilation/CUDA graphs; default: eager on CPU (starts in seconds), compiled on CUDA."""
+    sleep_level: Literal[1, 2] = 1
+    """1: engine weights are backed up to host while the trainer runs; 2: discarded and rewritten by weight sync."""
+
+
+@dataclass
+class TaskConfig:
+    name: Literal["count", "jsonl"] = "count"
+    """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
+    path: str = ""
+    """JSONL file with one {"prompt": ..., "answer": ...} per line (for --task.name jsonl)."""
+    eval_prompts: int = 64
+    """Held-out prompts scored greedily for `eval_accuracy`."""
+
+
+@dataclass
+class RLConfig:
+    group_size: int = 8
+    """Samples per prompt (G); advantages are taken within each group."""
+    batch_per_replica: int = 32
+    """Trajectories per collected batch per policy replica; a positive multiple of group_size."""
+    mini_batch_per_replica: int = 0
+    """Trajectories per optimizer step; 0 = the whole batch (one step)."""
+    micro_batch_per_replica: int = 0
+    """Trajectories per forward/backward; 0 = the whole mini-batch (no accumulation)."""
+    grad_accum: int = 1
+    """Retired for GRPO: the accumulation count is derived; set --rl.micro-batch-per-replica instead."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this after normalization (0 = no clip)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip epsilon."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference penalty (0 = no reference model)."""
+    scale_by_std: bool = True
+    """Divide group advantages by the group's reward std."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the engine's sampling logprobs as pi_old instead of recomputing them in the trainer."""
+    deterministic: bool = False
+    """Turn on torch's deterministic algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG must be set at launch)."""
+    colocated_offload: bool = True
+    """Colocated: hand the card between engine and trainer each step (sleep / offload)."""
+
+
+@dataclass
+class GridConfig:
+    gpu_placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: every rank generates and trains; disaggregated: ranks [0, R) generate, [R, N) train."""
+    rollout_ranks: int = 0
+    """R, the number of generate-only ranks under disaggregated placement."""
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/latest"
+    """Run directory: metrics.jsonl, config.json and the final model go here."""
+    every: int = 1
+    """Print a console line every this many steps."""
+    eval_every: int = 5
+    """Score held-out prompts greedily every this many steps, and at the first and last (0 = never)."""
+
+
+@dataclass
+class GRPOArgs:
+    """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
+
+    steps: int = 20
+    """Collected batches (loop steps) to run."""
+    seed: int = 0
+    """Base seed: model init, data order and per-request sampling seeds derive from it."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    # ---- derived (spec/batching.md: computed, never configured) ----
+    @property
+    def mini_batch(self) -> int:
+        return self.rl.mini_batch_per_replica or self.rl.batch_per_replica
+
+    @property
+    def micro_batch(self) -> int:
+        return self.rl.micro_batch_per_replica or self.mini_batch
+
+    @property
+    def n_mini(self) -> int:
+        return self.rl.batch_per_replica // self.mini_batch
+
+    @property
+    def n_micro(self) -> int:
+        return self.mini_batch // self.micro_batch
+
+    def validate(self, world_size: int = 1) -> "GRPOArgs":
+        """Raise ConfigError naming the flag for anything the run cannot do. Cheap: no I/O but stat()."""
+        rl = self.rl
+        _positive("--steps", self.steps)
+        _positive("--rl.group-size", rl.group_size)
+        _positive("--rollout.max-tokens", self.rollout.max_tokens)
+        if rl.batch_per_replica <= 0 or rl.batch_per_replica % rl.group_size:
+            raise ConfigError(
+                f"--rl.batch-per-replica={rl.batch_per_replica} must be a positive multiple of "
+                f"--rl.group-size={rl.group_size} (e.g. {4 * rl.group_size})")
+        if rl.grad_accum != 1:
+            raise ConfigError(
+                f"--rl.grad-accum={rl.grad_accum} is retired for GRPO: the accumulation count is derived. "
+                f"Set --rl.micro-batch-per-replica (e.g. {rl.batch_per_replica // 2}) to accumulate gradients "
+                "over smaller forward/backward chunks.")
+        for flag, val in (("--rl.mini-batch-per-replica", rl.mini_batch_per_replica),
+                          ("--rl.micro-batch-per-replica", rl.micro_batch_per_replica)):
+            if val < 0:
+                raise ConfigError(f"{flag}={val} must be >= 0 (0 = the whole level above)")
+        if self.rl.batch_per_replica % self.mini_batch:
+            raise ConfigError(
+                f"--rl.mini-batch-per-replica={rl.mini_batch_per_replica} must divide "
+                f"--rl.batch-per-replica={rl.batch_per_replica} exactly (a ragged last mini-batch changes its token mean)")
+        if self.mini_batch % self.micro_batch:
+            raise ConfigError(
+                f"--rl.micro-batch-per-replica={rl.micro_batch_per_replica} must divide the mini-batch "
+                f"({self.mini_batch}) exactly (a ragged last micro-batch changes its token mean)")
+        # DP shares: every level must split evenly over the data-parallel ranks, in whole groups.
+        dp = self.dp_size(world_size)
+        if rl.batch_per_replica % (dp * rl.group_size):
+            raise ConfigError(
+                f"--rl.batch-per-replica={rl.batch_per_replica} must split into whole groups of "
+                f"{rl.group_size} over {dp} data-parallel rank(s); use a multiple of {dp * rl.group_size}")
+        if self.micro_batch % dp:
+            raise ConfigError(
+                f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
+                "change --rl.micro-batch-per-replica")
+        if self.grid.gpu_placement == "disaggregated" and not 0 < self.grid.rollout_ranks < world_size:
+            raise ConfigError(
+                f"--grid.rollout-ranks={self.grid.rollout_ranks} must be in [1, {world_size - 1}] under "
+                f"--grid.gpu-placement disaggregated with {world_size} rank(s)")
+        if self.grid.gpu_placement == "disaggregated":
+            raise ConfigError("GRPO runs colocated: use --grid.gpu-placement colocated "
+                              "(disaggregated placement is for PPO streaming, minirl.ppo)")
+        if not 0.0 < self.rollout.temperature:
+            raise ConfigError(f"--rollout.temperature={self.rollout.temperature} must be > 0")
+        if self.task.name == "jsonl" and not os.path.isfile(self.task.path):
+            raise ConfigError(f"--task.path={self.task.path!r} is not a file; give a JSONL prompt file "
+                              "or use --task.name count")
+        _positive("--rl.lr", rl.lr)
+        return self
+
+    def dp_size(self, world_size: int) -> int:
+        if self.grid.gpu_placement == "disaggregated":
+            return world_size - self.grid.rollout_ranks
+        return world_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(flag: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{flag}={value} must be > 0")

@@ -1,0 +1,65 @@
+"""The run log: phase timers, one metrics.jsonl record per step, one console line per step.
+
+Only rank 0 writes. Records are flushed line by line, so a crashed run keeps every finished
+step. Keys: `step`, `reward_mean`, the objective's rolled-up metrics, and `time/<phase>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+
+class RunLog:
+    def __init__(self, run_dir: str, enabled: bool, every: int = 1):
+        self.run_dir, self.enabled, self.every = run_dir, enabled, every
+        self.times: dict[str, float] = {}
+        self._file = None
+        if enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase of the current step into `time/<name>` (accumulates if entered twice)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+
+    def write(self, record: dict) -> None:
+        """Append one record (plus this step's phase times) and print the console line."""
+        record = {**record, **{k: round(v, 4) for k, v in self.times.items()}}
+        self.times = {}
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if record.get("step", 0) % self.every == 0 or "eval_accuracy" in record:
+            print(console_line(record), flush=True)
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+SHOWN = [("reward_mean", "reward"), ("eval_accuracy", "eval_acc"), ("grpo_loss", "loss"),
+         ("grpo_kl", "kl"), ("grpo_clipfrac", "clip"), ("grad_norm", "gnorm"),
+         ("time/step", "s"), ("tokens_per_s", "tok/s")]
+
+
+def console_line(r: dict) -> str:
+    parts = [f"step {r.get('step', '?'):>4}"]
+    for key, label in SHOWN:
+        if key in r:
+            v = r[key]
+            parts.append(f"{label} {v:.3g}" if isinstance(v, float) else f"{label} {v}")
+    return " | ".join(parts)

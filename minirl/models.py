@@ -1,0 +1,154 @@
+"""Policy, value and reference models, and the built-in tiny model, all loaded one way.
+
+Contract: every model comes from a local Hugging Face folder. `resolve_path` turns
+`--model.path` (a folder, a hub name, or `tiny`) into that folder BEFORE anything heavy is
+built, so a bad path fails fast; the trainer and the vLLM engine then read the same folder.
+The tiny model is a randomly initialised Qwen2 with a character-level tokenizer built with
+`tokenizers` (no download), written once with `save_pretrained` into a cache folder.
+
+Shapes: B sequences, T tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+from torch import nn
+
+from minirl.config import TINY, ConfigError, ModelConfig, TinyModelConfig
+
+# The tiny tokenizer's alphabet: one token per character, plus the specials.
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
+
+
+def cache_dir() -> str:
+    return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
+
+
+def resolve_path(cfg: ModelConfig) -> str:
+    """Return a local folder holding config.json and a tokenizer, or raise ConfigError naming --model.path."""
+    if cfg.path == TINY:
+        return build_tiny(cfg.tiny)
+    if os.path.isdir(cfg.path):
+        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
+            raise ConfigError(f"--model.path={cfg.path!r} has no config.json: not a Hugging Face model folder")
+        return cfg.path
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+        raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name "
+                          f"like Qwen/Qwen2.5-0.5B-Instruct, or `{TINY}` for the built-in model")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    except Exception as e:  # offline, unknown repo, gated...
+        raise ConfigError(f"--model.path={cfg.path!r}: could not fetch it from the hub ({type(e).__name__}: {e}); "
+                          "download it elsewhere and pass the local folder") from e
+
+
+# ---- the built-in tiny model ----
+
+def build_tiny(shape: TinyModelConfig) -> str:
+    """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 1]).encode()).hexdigest()[:10]
+    path = os.path.join(cache_dir(), f"tiny-{key}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
+    tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_theta=10000.0, dtype="float32")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the cached weights never depend on a run's seed
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another rank got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+# ---- loading ----
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(path: str, dtype: str = "float32") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model.config.use_cache = False
+    return model
+
+
+def load_reference(path: str, dtype: str = "float32") -> nn.Module:
+    """The frozen policy at its starting weights, for the KL penalty."""
+    model = load_policy(path, dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+class ValueModel(nn.Module):
+    """The policy's backbone with a scalar head per token: (B, T) -> values (B, T).
+
+    Attribute `model` is the backbone so FSDP wrapping (dist.shard) finds its decoder blocks.
+    The head starts at zero: the critic's first predictions are 0, not noise.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.score = nn.Linear(hidden_size, 1, bias=True)
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
+        return self.score(hidden).squeeze(-1).float()               # (B, T)
+
+
+def load_value(path: str, dtype: str = "float32") -> ValueModel:
+    from transformers import AutoModel
+    backbone = AutoModel.from_pretrained(path, dtype=DTYPES[dtype])
+    return ValueModel(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
+
+    Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
+    Sequences are right-padded, so causal attention never lets a real token see a pad.
+    """
+    logits = model(input_ids=input_ids).logits[:, :-1].float()          # (B, T-1, V)
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))                          # (B, T)

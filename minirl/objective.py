@@ -1,0 +1,96 @@
+"""Policy and value losses. Each returns (loss, divisor, metrics).
+
+spec/batching.md "The hard part": the objective returns its normal per-chunk NORMALIZED loss
+and, beside it, the divisor it normalized by (`<prefix>_denom`): the count of masked
+completion tokens after shaping (or of non-empty sequences for a sequence-mean loss), taken
+as a data-parallel MEAN (one all-reduce per call). The DP mean composes with FSDP's
+mean-reduced gradients without a world-size factor, and summed over chunks it IS the
+batch's divisor, so the accumulator needs no collective of its own (accumulator.py).
+
+An all-empty chunk (divisor 0) returns loss 0 (still attached to the graph, so backward
+runs and yields zero gradients) and divisor 0: never NaN.
+
+Shapes: B sequences, T positions; every per-token tensor is (B, T) and `mask` is 1.0 on
+trained completion tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from minirl import dist
+
+
+def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: Literal["token", "sequence"]):
+    """Local sum of the loss and the DP-mean divisor it is normalized by."""
+    if agg == "token":
+        local_sum = (per_token * mask).sum()
+        local_n = mask.sum()
+    else:  # mean over each sequence's tokens, then over non-empty sequences
+        n_tok = mask.sum(dim=1)                                            # (B,)
+        seq = (per_token * mask).sum(dim=1) / n_tok.clamp_min(1)           # (B,)
+        local_sum = seq.sum()
+        local_n = (n_tok > 0).sum().to(per_token.dtype)
+    divisor = dist.all_reduce(local_n.detach().clone().float(), "avg")  # the DP mean
+    loss = local_sum / divisor if divisor > 0 else local_sum * 0.0
+    return loss, divisor
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: float, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                agg: Literal["token", "sequence"] = "token", prefix: str = "grpo"):
+    """PPO clipped surrogate (+ kl_coef * k3 KL to the reference), normalized per chunk.
+
+    advantages: (B, T) or (B,) (a sequence-level advantage, broadcast over tokens).
+    Returns (loss, divisor, metrics); metrics are local to this rank and chunk.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp)
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    pg = -torch.minimum(ratio * advantages, clipped * advantages)           # (B, T)
+    per_token = pg
+    kl = None
+    if ref_logp is not None and kl_coef:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1                                           # k3 estimator, >= 0
+        per_token = pg + kl_coef * kl
+    loss, divisor = _normalize(per_token, mask, agg)
+
+    with torch.no_grad():
+        n_tok = mask.sum()
+        is_clipped = ((ratio * advantages) > (clipped * advantages)).to(mask.dtype)
+        m = {
+            f"{prefix}_loss": loss.item(),
+            f"{prefix}_denom": divisor.item(),
+            f"{prefix}_n": float(logp.shape[0]),
+            f"{prefix}_tokens": n_tok.item(),
+            f"{prefix}_clipfrac": ((is_clipped * mask).sum() / n_tok.clamp_min(1)).item(),
+            f"{prefix}_ratio_max": (ratio * mask).max().item() if n_tok > 0 else 1.0,
+        }
+        if kl is not None:
+            m[f"{prefix}_kl"] = ((kl * mask).sum() / n_tok.clamp_min(1)).item()
+    return loss, divisor, m
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float, prefix: str = "value"):
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2), token mean."""
+    mask = mask.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss, divisor = _normalize(per_token, mask, "token")
+    with torch.no_grad():
+        n_tok = mask.sum()
+        m = {
+            f"{prefix}_loss": loss.item(),
+            f"{prefix}_denom": divisor.item(),
+            f"{prefix}_n": float(values.shape[0]),
+            f"{prefix}_tokens": n_tok.item(),
+            f"{prefix}_clipfrac": ((((values - old_values).abs() > clip_eps).to(mask.dtype) * mask).sum()
+                                   / n_tok.clamp_min(1)).item(),
+        }
+    return loss, divisor, m

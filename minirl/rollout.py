@@ -1,0 +1,182 @@
+"""The in-process vLLM engine: every vLLM call in minirl sits in this file.
+
+Contract:
+- `Engine.generate(prompts, prompt_ids, group_size, ...)` samples `group_size` completions per
+  prompt, one request each, with a per-request seed derived from (run seed, prompt id, sample
+  index), so a sample depends on its prompt's identity and not on its place in the batch.
+  It returns token ids, the engine's logprob of every sampled token, and finish reasons.
+- `Engine.load_weights(named_tensors)` writes trainer weights into the running engine
+  (vLLM's in-place `reload_weights`; pinned to vllm 0.32, a private API).
+- `Engine.sleep(level)` / `Engine.wake_up(tags)`: real on CUDA (vLLM sleep mode). On CPU vLLM
+  refuses sleep mode, so the engine records the same state machine without freeing anything,
+  and the code that drives the hand-off (offload.py) is exercised identically.
+  States: "awake" -> sleep -> "asleep" -> wake_up(["weights"]) -> "weights" -> wake_up(["kv_cache"])
+  -> "awake". Sleep is idempotent; sleeping from "weights" re-releases the weights. After a
+  level-2 sleep, generation is refused until one load_weights call has rewritten every parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from minirl import dist
+from minirl.config import ConfigError, RolloutConfig
+
+# vLLM 0.32 CPU attention (vllm/v1/attention/backends/cpu_attn.py: get_supported_head_sizes)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag: str = "--model.path") -> None:
+    """Fail before any engine is built if this model or KV budget cannot run here."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and head_dim not in CPU_HEAD_DIMS:
+        raise ConfigError(f"{head_dim_flag}: head_dim {head_dim} (hidden_size {hf['hidden_size']} / {heads} heads) "
+                          f"is not one vLLM's CPU attention runs; use one of {CPU_HEAD_DIMS}")
+    if on_cpu:
+        kv_bytes_per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * 4
+        need = kv_bytes_per_token * max_model_len / 2**30
+        import psutil
+        have = psutil.virtual_memory().total / 2**30
+        if cfg.kv_cache_gib < need:
+            raise ConfigError(f"--rollout.kv-cache-gib={cfg.kv_cache_gib} cannot hold one sequence of "
+                              f"{max_model_len} tokens ({need:.3f} GiB); raise it")
+        if cfg.kv_cache_gib > 0.5 * have:
+            raise ConfigError(f"--rollout.kv-cache-gib={cfg.kv_cache_gib} is over half of this machine's "
+                              f"{have:.0f} GiB; every engine on the machine reserves it. Try 1")
+
+
+def request_seed(seed: int, prompt_id: int, sample: int) -> int:
+    """A 31-bit seed per (run, prompt, sample): identical seeds across requests give identical samples."""
+    h = hashlib.blake2b(f"{seed}:{prompt_id}:{sample}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Samples:
+    """One row per request, in request order: prompt i's samples are rows i*G .. i*G+G-1."""
+
+    prompt_ids: list[int]                # (B,) prompt id of each row
+    prompt_tokens: list[list[int]]       # (B, prompt len)
+    completion_tokens: list[list[int]]   # (B, completion len), EOS included when sampled
+    logprobs: list[list[float]]          # (B, completion len) engine logprob of each sampled token
+    finish_reasons: list[str]            # (B,) "stop" or "length"
+
+
+@dataclass
+class Engine:
+    path: str
+    cfg: RolloutConfig
+    max_model_len: int
+    dtype: str = "float32"
+    seed: int = 0
+    sleep_mode: bool = False       # colocated hand-off; vLLM only supports it on CUDA
+    private: bool = False          # build in a world of one (disaggregated rollout ranks)
+    state: str = "awake"
+    events: list[str] = field(default_factory=list)  # every sleep / wake / load, for tests and logs
+    _stale: bool = False           # level-2 sleep discarded the weights: a full sync must come first
+
+    def __post_init__(self):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.cfg.kv_cache_gib)))
+        from vllm import LLM
+
+        on_cuda = torch.cuda.is_available()
+        self._vllm_sleeps = self.sleep_mode and on_cuda
+        threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving; the trainer wants it back
+        kwargs = dict(model=self.path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
+                      tensor_parallel_size=1, enable_prefix_caching=False,
+                      enforce_eager=(not on_cuda) if self.cfg.enforce_eager is None else self.cfg.enforce_eager,
+                      enable_sleep_mode=self._vllm_sleeps)
+        if on_cuda:
+            kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
+        if self.private:
+            with dist.private_world():
+                self.llm = LLM(**kwargs)
+        else:  # share torchrun's world: each rank is its own TP=1 engine (ENV-NOTES.md)
+            self.llm = LLM(distributed_executor_backend="external_launcher", **kwargs)
+        torch.set_num_threads(threads)
+
+    # ---- sampling ----
+    def generate(self, prompts: list[list[int]], prompt_ids: list[int], group_size: int,
+                 greedy: bool = False, max_tokens: int | None = None) -> Samples:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.state != "awake" or self._stale:
+            raise RuntimeError(f"rollout: generate() while the engine is {self.state}"
+                               f"{' with stale weights' if self._stale else ''} (hand-off order bug)")
+        reqs, params, pids = [], [], []
+        for toks, pid in zip(prompts, prompt_ids):
+            for j in range(group_size):
+                reqs.append(TokensPrompt(prompt_token_ids=list(toks)))
+                params.append(SamplingParams(
+                    max_tokens=max_tokens or self.cfg.max_tokens, logprobs=0,
+                    temperature=0.0 if greedy else self.cfg.temperature,
+                    seed=None if greedy else request_seed(self.seed, pid, j)))
+                pids.append(pid)
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        comp = [o.outputs[0] for o in outs]
+        return Samples(
+            prompt_ids=pids,
+            prompt_tokens=[list(o.prompt_token_ids) for o in outs],
+            completion_tokens=[list(c.token_ids) for c in comp],
+            logprobs=[[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in comp],
+            finish_reasons=[c.finish_reason for c in comp])
+
+    # ---- weights ----
+    def _runner(self):
+        # Private vLLM API (pinned 0.32): in-process executor -> worker -> model runner.
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def parameter_names(self) -> set[str]:
+        return {n for n, _ in self._runner().get_model().named_parameters()}
+
+    def load_weights(self, named_tensors) -> int:
+        """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
+        if self.state == "asleep":
+            raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
+        n = 0
+
+        def counted():
+            nonlocal n
+            for name, t in named_tensors:
+                n += 1
+                yield name, t
+
+        self._runner().reload_weights(weights_iterator=counted())
+        self._stale = False  # reload_weights rewrites every parameter it is handed; callers send all of them
+        self.events.append(f"load_weights:{n}")
+        return n
+
+    def close(self) -> None:
+        """Tear the engine down while the process group it shares is still alive."""
+        self.llm.llm_engine.engine_core.shutdown()  # private API (vllm 0.32): the in-process core client
+
+    # ---- colocated hand-off ----
+    def sleep(self, level: int | None = None) -> None:
+        level = level or self.cfg.sleep_level
+        if self.state == "asleep":
+            return  # idempotent
+        if self._vllm_sleeps:
+            self.llm.sleep(level=level)
+        self._stale = self._stale or level == 2
+        self.state = "asleep"
+        self.events.append(f"sleep:{level}")
+
+    def wake_up(self, tags: list[str]) -> None:
+        if self._vllm_sleeps:
+            self.llm.wake_up(tags=tags)
+        if "kv_cache" in tags:
+            self.state = "awake"
+        elif self.state == "asleep":
+            self.state = "weights"
+        self.events.append(f"wake:{'+'.join(tags)}")

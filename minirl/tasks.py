@@ -1,0 +1,147 @@
+"""Prompt sets, deterministic prompt ids, and rewards that only parse text.
+
+- `CountTask` (built in): "how many a's in this string?" e.g. prompt `abbab#a=`, answer `2`.
+  Problems are a pure function of (seed, index); the held-out set is disjoint from training
+  by construction (a string is held out iff its hash says so), so eval accuracy is honest.
+- `JsonlTask`: {"prompt": ..., "answer": ...} per line; GSM8K answers (`... #### 42`) are cut
+  to the number after `####`.
+- Rewards: 1.0 when the answer number extracted from the completion equals the reference,
+  else 0.0. A completion is parsed with a regex, never executed.
+- Prompt ids (spec/batching.md "Prerequisite: reproducibility"): `prompt_id(shard, index)` is
+  deterministic, monotonic in the index, and scoped by shard so replicas never collide. The
+  data-parallel partition sorts rows by (group_id, id) and deals contiguous whole groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+
+from minirl.config import TaskConfig
+
+SHARD_BITS = 40  # up to 2**40 prompts per shard
+
+
+def prompt_id(shard: int, index: int) -> int:
+    """Deterministic, shard-scoped, monotonic prompt id (the group id of its G samples)."""
+    assert 0 <= index < 2**SHARD_BITS
+    return (shard << SHARD_BITS) | index
+
+
+def dp_partition(keys: list[tuple[int, int]], rank: int, dp: int) -> list[int]:
+    """Indices of rank's rows: sort by (group_id, id), deal contiguous equal slices.
+
+    `keys[i] = (group_id, id)`. Callers size batches in whole groups per rank (config.validate),
+    so a slice boundary never splits a group.
+    """
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    per = len(order) // dp
+    assert per * dp == len(order), f"{len(order)} rows do not split over {dp} ranks"
+    return order[rank * per:(rank + 1) * per]
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_number(text: str, last: bool = False) -> str | None:
+    """The first (or last) number in `text`, commas removed; None if there is none."""
+    found = _NUM.findall(text)
+    if not found:
+        return None
+    return found[-1 if last else 0].replace(",", "").rstrip(".")
+
+
+def _same_number(a: str | None, b: str) -> bool:
+    if a is None:
+        return False
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+class CountTask:
+    """Count one letter in a short string over {a, b}: learnable by a tiny model in minutes."""
+
+    letters = "ab"
+    max_len = 9
+
+    def __init__(self, seed: int, eval_prompts: int):
+        self.seed = seed
+        self.eval_set = self._draw(seed=-1 - seed, n=eval_prompts, held_out=True)
+
+    @staticmethod
+    def _held_out(s: str) -> bool:
+        return hashlib.blake2b(s.encode(), digest_size=2).digest()[0] % 8 == 0
+
+    def _problem(self, rng: random.Random) -> Problem:
+        s = "".join(rng.choice(self.letters) for _ in range(rng.randint(1, self.max_len)))
+        return Problem(f"{s}#a=", str(s.count("a")))
+
+    def _draw(self, seed: int, n: int, held_out: bool, start: int = 0) -> list[Problem]:
+        out, i = [], start
+        while len(out) < n:
+            p = self._problem(random.Random(f"{seed}:{i}"))
+            i += 1
+            if self._held_out(p.prompt[:-3]) == held_out:
+                out.append(p)
+        return out
+
+    def train_problem(self, index: int) -> Problem:
+        """Training problem `index`: a pure function of (seed, index), never a held-out string."""
+        j = 0
+        while True:
+            p = self._problem(random.Random(f"{self.seed}:{index}:{j}"))
+            if not self._held_out(p.prompt[:-3]):
+                return p
+            j += 1
+
+    def reward(self, completion: str, answer: str) -> float:
+        return float(_same_number(extract_number(completion), answer))
+
+
+class JsonlTask:
+    """Prompts and reference answers from a JSONL file; GSM8K-style answer extraction."""
+
+    def __init__(self, path: str, seed: int, eval_prompts: int):
+        rows = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    rows.append(Problem(str(r["prompt"]), self._reference(str(r["answer"]))))
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise ValueError(f"{path}:{n}: expected {{\"prompt\": ..., \"answer\": ...}} ({e})") from e
+        random.Random(seed).shuffle(rows)
+        k = min(eval_prompts, len(rows) // 5)
+        self.eval_set, self.rows = rows[:k], rows[k:]
+        if not self.rows:
+            raise ValueError(f"{path}: no training prompts")
+
+    @staticmethod
+    def _reference(answer: str) -> str:
+        return answer.split("####")[-1].strip().replace(",", "")
+
+    def train_problem(self, index: int) -> Problem:
+        return self.rows[index % len(self.rows)]
+
+    def reward(self, completion: str, answer: str) -> float:
+        text = completion.split("####")[-1] if "####" in completion else completion
+        return float(_same_number(extract_number(text, last=True), answer))
+
+
+def make_task(cfg: TaskConfig, seed: int):
+    if cfg.name == "count":
+        return CountTask(seed, cfg.eval_prompts)
+    return JsonlTask(cfg.path, seed, cfg.eval_prompts)
