@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -29,7 +30,7 @@ from minirl.models import token_logprobs as score
 from minirl.accumulator import Accumulator, across_ranks, roll_up
 from minirl.batch import chunk, pack
 from minirl.checkpoint import export_hf
-from minirl.config import GRPOArgs
+from minirl.config import ConfigError, GRPOArgs
 from minirl.gae import group_advantages
 from minirl.logger import RunLog
 from minirl.objective import policy_loss
@@ -192,5 +193,8 @@ def evaluate(engine: Engine, task, tok, world, max_prompt_tokens: int) -> float:
 if __name__ == "__main__":
     try:
         main()
+    except ConfigError as e:  # a flag the run cannot use: say which, no traceback
+        print(f"minirl.grpo: error: {e}", file=sys.stderr)
+        sys.exit(2)
     finally:
         dist.shutdown()

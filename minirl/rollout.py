@@ -145,12 +145,22 @@ class Engine:
         if self.state == "asleep":
             raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
         n = 0
+        tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
 
         def counted():
             nonlocal n
+            sent_head, embed = False, None
             for name, t in named_tensors:
                 n += 1
+                sent_head |= name == "lm_head.weight"
+                if name == "model.embed_tokens.weight":
+                    embed = t
                 yield name, t
+            # Hazard (vllm 0.32, CPU): with tied embeddings HF has no lm_head parameter, and a layerwise
+            # reload that hands ParallelLMHead nothing restores its OLD packed weights, so logits come
+            # from stale weights (seen: 18 nats off). Sending the head explicitly keeps it in step.
+            if tied and not sent_head and embed is not None:
+                yield "lm_head.weight", embed
 
         self._runner().reload_weights(weights_iterator=counted())
         self._stale = False  # reload_weights rewrites every parameter it is handed; callers send all of them

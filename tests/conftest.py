@@ -1,0 +1,54 @@
+"""Shared fixtures. The tiny model is built once per machine into .cache/ (MINIRL_CACHE), which
+subprocesses (torchrun tests) inherit; one vLLM engine is shared per test module."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("MINIRL_CACHE", os.path.join(ROOT, ".cache", "minirl"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from minirl.config import ModelConfig
+    from minirl.models import resolve_path
+    return resolve_path(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def world():
+    """This pytest process as a torchrun world of one (gloo), as `python -m minirl.grpo` runs."""
+    from minirl import dist
+    return dist.init()
+
+
+def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command from the repo root; on failure show its output."""
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    if p.returncode != 0:
+        print(p.stdout[-6000:], p.stderr[-6000:], sep="\n----- stderr -----\n")
+    return p
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                script, *args], timeout=timeout)
+
+
+def toy_lm(vocab: int = 11, hidden: int = 16, seed: int = 0) -> torch.nn.Module:
+    """A two-layer language model for pure-math tests: ids (B, T) -> logits (B, T, V)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, vocab))
+
+
+def toy_logprobs(model, ids):
+    lp = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))

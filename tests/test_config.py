@@ -1,0 +1,56 @@
+"""config.py: derived counts and every validation error names its flag (B1, B2, B11)."""
+
+import pytest
+
+from minirl.config import ConfigError, GRPOArgs
+
+
+def args(**rl):
+    a = GRPOArgs()
+    for k, v in rl.items():
+        setattr(a.rl, k, v)
+    return a
+
+
+def test_zero_means_whole_batch_and_one_chunk():
+    a = args(batch_per_replica=32, group_size=8)
+    assert (a.n_mini, a.n_micro) == (1, 1)
+
+
+def test_derived_counts_are_dp_invariant():
+    a = args(batch_per_replica=32, mini_batch_per_replica=16, micro_batch_per_replica=8, group_size=4)
+    for world in (1, 2, 4):
+        a.validate(world)
+        dp_batch, dp_mini, dp_micro = 32 // world, 16 // world, 8 // world
+        assert a.n_mini == dp_batch // dp_mini == 2 and a.n_micro == dp_mini // dp_micro == 2
+
+
+@pytest.mark.parametrize("rl, flag", [
+    (dict(batch_per_replica=30, group_size=8), "--rl.batch-per-replica"),
+    (dict(batch_per_replica=0), "--rl.batch-per-replica"),
+    (dict(mini_batch_per_replica=12), "--rl.mini-batch-per-replica"),
+    (dict(mini_batch_per_replica=16, micro_batch_per_replica=6), "--rl.micro-batch-per-replica"),
+    (dict(micro_batch_per_replica=-1), "--rl.micro-batch-per-replica"),
+    (dict(grad_accum=4), "--rl.micro-batch-per-replica"),
+])
+def test_bad_sizes_name_the_flag(rl, flag):
+    with pytest.raises(ConfigError, match=flag.replace(".", r"\.")):
+        args(**rl).validate(1)
+
+
+def test_grad_accum_is_retired_for_grpo():
+    with pytest.raises(ConfigError, match="retired"):
+        args(grad_accum=2).validate(1)
+
+
+def test_batch_must_split_in_whole_groups_over_ranks():
+    with pytest.raises(ConfigError, match="data-parallel"):
+        args(batch_per_replica=24, group_size=8).validate(2)
+    args(batch_per_replica=32, group_size=8).validate(2)
+
+
+def test_unknown_flag_is_rejected(capsys):
+    import tyro
+    with pytest.raises(SystemExit):
+        tyro.cli(GRPOArgs, args=["--rl.no-such-flag", "3"])
+    assert "no-such-flag" in capsys.readouterr().err

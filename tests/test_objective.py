@@ -1,0 +1,64 @@
+"""objective.py: each loss returns (normalized loss, divisor, metrics); divisors are post-shaping counts (B6)."""
+
+import torch
+
+from minirl.objective import policy_loss, value_loss
+
+
+def _inputs(seed=0, B=6, T=9):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g)
+    old = logp + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.4).float()
+    return logp, old, adv, mask
+
+
+def test_policy_loss_divisor_is_masked_token_count(world):
+    logp, old, adv, mask = _inputs()
+    logp.requires_grad_(True)
+    loss, divisor, m = policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    assert divisor.item() == mask.sum().item() == m["grpo_denom"]
+    ratio = torch.exp(logp - old)
+    A = adv[:, None].expand_as(logp)
+    per_tok = -torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)
+    torch.testing.assert_close(loss, (per_tok * mask).sum() / mask.sum())
+    clipped = ((ratio * A) > (ratio.clamp(0.8, 1.2) * A)).float()
+    assert abs(m["grpo_clipfrac"] - ((clipped * mask).sum() / mask.sum()).item()) < 1e-6
+    assert m["grpo_n"] == 6 and m["grpo_tokens"] == mask.sum().item()
+
+
+def test_sequence_mean_divisor_counts_nonempty_sequences(world):
+    logp, old, adv, mask = _inputs(1)
+    mask[2] = 0.0
+    _, divisor, _ = policy_loss(logp, old, adv, mask, 0.2, agg="sequence")
+    assert divisor.item() == 5
+
+
+def test_all_empty_chunk_gives_zero_loss_and_zero_divisor_not_nan(world):
+    logp, old, adv, mask = _inputs(2)
+    logp.requires_grad_(True)
+    loss, divisor, m = policy_loss(logp, old, adv, torch.zeros_like(mask), 0.2)
+    assert divisor.item() == 0 and loss.item() == 0.0 and torch.isfinite(loss)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+    vloss, vdiv, _ = value_loss(logp.detach().requires_grad_(), old, old, torch.zeros_like(mask), 0.2)
+    assert vdiv.item() == 0 and vloss.item() == 0.0
+
+
+def test_kl_term_is_zero_at_the_reference_and_positive_away(world):
+    logp, old, adv, mask = _inputs(3)
+    _, _, m0 = policy_loss(logp, old, adv, mask, 0.2, ref_logp=logp.clone(), kl_coef=0.1)
+    _, _, m1 = policy_loss(logp, old, adv, mask, 0.2, ref_logp=logp - 0.5, kl_coef=0.1)
+    assert m0["grpo_kl"] == 0.0 and m1["grpo_kl"] > 0.0
+
+
+def test_value_loss_is_clipped_around_old_values(world):
+    v_old = torch.zeros(2, 3)
+    ret = torch.ones(2, 3)
+    v = torch.full((2, 3), 0.5, requires_grad=True)
+    mask = torch.ones(2, 3)
+    loss, div, m = value_loss(v, v_old, ret, mask, clip_eps=0.2)
+    # clipped prediction 0.2 is further from the return than 0.5: max picks (0.2 - 1)^2
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 0.8 ** 2))
+    assert div.item() == 6 and m["value_clipfrac"] == 1.0

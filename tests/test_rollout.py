@@ -1,0 +1,123 @@
+"""The real vLLM engine on CPU with the built-in tiny model (one engine for this module)."""
+
+import pytest
+import torch
+
+from minirl.config import ConfigError, RolloutConfig
+from minirl.models import load_policy, load_tokenizer, token_logprobs
+from minirl.rollout import Engine, check_model, request_seed
+
+pytestmark = pytest.mark.vllm
+G = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, world):
+    e = Engine(tiny_path, RolloutConfig(max_tokens=6, kv_cache_gib=1), max_model_len=48, seed=0)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_path):
+    tok = load_tokenizer(tiny_path)
+    return [tok(s, add_special_tokens=False).input_ids for s in ("abba#a=", "b#a=", "aaab#a=")]
+
+
+def test_generate_returns_group_size_samples_with_logprobs(engine, prompts):
+    s = engine.generate(prompts, [10, 11, 12], G)
+    assert len(s.completion_tokens) == 3 * G
+    assert s.prompt_ids == [10] * G + [11] * G + [12] * G
+    assert s.prompt_tokens[G] == prompts[1]
+    for toks, lps, fin in zip(s.completion_tokens, s.logprobs, s.finish_reasons):
+        assert 1 <= len(toks) <= 6 and len(lps) == len(toks) and fin in ("stop", "length")
+        assert all(lp <= 0 for lp in lps)
+
+
+def test_per_request_seeds_follow_prompt_id_and_sample_index(engine, prompts):
+    a = engine.generate(prompts[:1] * 2, [7, 8], G)
+    b = engine.generate(prompts[:1], [7], G)
+    assert a.completion_tokens[:G] == b.completion_tokens              # same (prompt id, sample) -> same sample
+    assert len({tuple(t) for t in a.completion_tokens[:G]}) > 1       # samples of one prompt differ
+    assert a.completion_tokens[:G] != a.completion_tokens[G:]          # same text, other id -> other samples
+    assert request_seed(0, 7, 1) != request_seed(0, 7, 2) != request_seed(1, 7, 2)
+
+
+def _trainer_logprobs(model, s):
+    out = []
+    for p, c in zip(s.prompt_tokens, s.completion_tokens):
+        ids = torch.tensor([p + c])
+        out.append(token_logprobs(model, ids)[0, len(p):])
+    return out
+
+
+def test_vllm_logprobs_agree_with_trainer_recompute(engine, prompts, tiny_path):
+    """float32 on CPU: the engine and the trainer agree to 1e-4 nats per token."""
+    s = engine.generate(prompts, [1, 2, 3], G)
+    model = load_policy(tiny_path)
+    with torch.no_grad():
+        for mine, theirs in zip(_trainer_logprobs(model, s), s.logprobs):
+            assert (mine - torch.tensor(theirs)).abs().max().item() < 1e-4
+
+
+def test_loaded_weights_drive_greedy_output_and_logprobs(engine, prompts, tiny_path):
+    model = load_policy(tiny_path)
+    before = engine.generate(prompts, [1, 2, 3], 1, greedy=True)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    n = engine.load_weights(model.named_parameters())
+    assert n == len(list(model.parameters()))
+    try:
+        after = engine.generate(prompts, [1, 2, 3], 1, greedy=True)
+        assert after.completion_tokens != before.completion_tokens
+        with torch.no_grad():
+            for mine, theirs, p, c in zip(_trainer_logprobs(model, after), after.logprobs,
+                                          after.prompt_tokens, after.completion_tokens):
+                assert (mine - torch.tensor(theirs)).abs().max().item() < 1e-4
+                # greedy: each token is the trainer's argmax too
+                logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+                assert logits.argmax(-1).tolist() == c
+    finally:
+        engine.load_weights(load_policy(tiny_path).named_parameters())
+    assert engine.generate(prompts, [1, 2, 3], 1, greedy=True).completion_tokens == before.completion_tokens
+
+
+def test_sleep_wake_state_machine(engine, prompts):
+    """On CPU nothing is freed, but the states and their order are the same as on CUDA (B24 basics)."""
+    engine.sleep(1)
+    engine.sleep(1)  # idempotent
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, [1, 2, 3], 1)
+    engine.wake_up(["weights"])
+    engine.sleep(1)  # sleeping after a weights-only wake releases the weights again
+    assert engine.state == "asleep"
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    assert engine.state == "awake"
+    engine.sleep(2)  # level 2 discards weights: no sampling until a full sync
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match="stale"):
+        engine.generate(prompts, [1, 2, 3], 1)
+    n = engine.load_weights(load_policy(engine.path).named_parameters())
+    engine.generate(prompts, [1, 2, 3], 1)
+    assert engine.events[-4:] == ["sleep:2", "wake:weights", "wake:kv_cache", f"load_weights:{n}"]
+
+
+def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):
+    import json
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_attention_heads"] = cfg["hidden_size"] // 16
+    cfg.pop("head_dim", None)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="head_dim 16"):
+        check_model(str(bad), RolloutConfig(), 64)
+    with pytest.raises(ConfigError, match="--rollout.kv-cache-gib"):
+        check_model(tiny_path, RolloutConfig(kv_cache_gib=1000), 64)
+    with pytest.raises(ConfigError, match="--rollout.kv-cache-gib"):
+        check_model(tiny_path, RolloutConfig(kv_cache_gib=1e-9), 64)

@@ -1,0 +1,51 @@
+"""tasks.py: deterministic prompt ids and partition (B14), held-out data, rewards that only parse."""
+
+import json
+
+from minirl.tasks import CountTask, JsonlTask, dp_partition, extract_number, prompt_id
+
+
+def test_prompt_ids_are_deterministic_monotonic_and_shard_scoped():
+    ids = [prompt_id(0, i) for i in range(100)]
+    assert ids == sorted(ids) and len(set(ids)) == 100
+    assert ids == [prompt_id(0, i) for i in range(100)]
+    assert not set(ids) & {prompt_id(1, i) for i in range(100)}
+
+
+def test_dp_partition_sorts_by_group_then_id_and_keeps_groups_whole():
+    keys = [(g, j) for g in (5, 3, 9, 1) for j in (2, 0, 1)]
+    parts = [dp_partition(keys, r, 2) for r in range(2)]
+    assert sorted(parts[0] + parts[1]) == list(range(12))
+    assert [keys[i] for i in parts[0]] == [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)]
+    shuffled = keys[::-1]  # arrival order does not matter: the same rows land on the same rank
+    assert {shuffled[i] for i in dp_partition(shuffled, 1, 2)} == {keys[i] for i in parts[1]}
+
+
+def test_count_task_is_a_pure_function_of_seed_and_index_and_held_out_is_disjoint():
+    a, b = CountTask(0, 64), CountTask(0, 64)
+    assert [a.train_problem(i) for i in range(50)] == [b.train_problem(i) for i in range(50)]
+    held = {p.prompt for p in a.eval_set}
+    assert len(a.eval_set) == 64
+    assert not held & {a.train_problem(i).prompt for i in range(3000)}
+    p = a.train_problem(7)
+    assert p.answer == str(p.prompt.split("#")[0].count("a"))
+
+
+def test_rewards_parse_numbers_and_never_execute():
+    t = CountTask(0, 8)
+    assert t.reward("3", "3") == 1.0 and t.reward("x3b", "3") == 1.0 and t.reward("4", "3") == 0.0
+    assert t.reward("__import__('os').system('false')", "3") == 0.0
+    assert extract_number("so 1,234.") == "1234" and extract_number("none") is None
+
+
+def test_jsonl_task_gsm8k_answers(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": f"work... #### {i},000"} for i in range(20)]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    t = JsonlTask(str(f), seed=0, eval_prompts=4)
+    assert len(t.eval_set) == 4 and len(t.rows) == 16
+    p = t.train_problem(0)
+    n = p.prompt[1:]
+    assert p.answer == f"{n}000"
+    assert t.reward(f"so the answer is #### {n},000", p.answer) == 1.0
+    assert t.reward(f"{n}000 then 5", p.answer) == 0.0
