@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STEPS ?= 150
+STEPS ?= 800
 
 .PHONY: install demo test clean
 
@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m minirl.grpo --steps $(STEPS) --log.run-dir runs/demo
+	$(BIN)/python -m minirl.grpo --steps $(STEPS) --rl.batch-per-replica 64 --log.eval-every 25 \
+	  --log.run-dir runs/demo
 
 test: install
 	$(BIN)/python -m pytest -q

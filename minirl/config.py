@@ -34,6 +34,8 @@ class TinyModelConfig:
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 256
     """MLP width."""
+    warm_start_steps: int = 10
+    """Supervised steps on the built-in task before saving (deliberately few: RL has to do the rest)."""
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Contract: every model comes from a local Hugging Face folder. `resolve_path` turns
 `--model.path` (a folder, a hub name, or `tiny`) into that folder BEFORE anything heavy is
 built, so a bad path fails fast; the trainer and the vLLM engine then read the same folder.
-The tiny model is a randomly initialised Qwen2 with a character-level tokenizer built with
-`tokenizers` (no download), written once with `save_pretrained` into a cache folder.
+The tiny model is a Qwen2 with a character-level tokenizer built with `tokenizers` (no
+download), given a deliberately short supervised warm start on the built-in task
+(tasks.warm_start), and written once with `save_pretrained` into a cache folder.
 
 Shapes: B sequences, T tokens, V vocab.
 """
@@ -74,6 +75,9 @@ def build_tiny(shape: TinyModelConfig) -> str:
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the cached weights never depend on a run's seed
         model = Qwen2ForCausalLM(config)
+        if shape.warm_start_steps:
+            from minirl.tasks import warm_start
+            warm_start(model, tok, shape.warm_start_steps)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     try:

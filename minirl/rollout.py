@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ class Engine:
 
     def __post_init__(self):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.cfg.kv_cache_gib)))
         from vllm import LLM
 
@@ -104,6 +106,9 @@ class Engine:
         else:  # share torchrun's world: each rank is its own TP=1 engine (ENV-NOTES.md)
             self.llm = LLM(distributed_executor_backend="external_launcher", **kwargs)
         torch.set_num_threads(threads)
+        # Every in-place reload warns that the rotary embedding (a buffer, nothing to load) got no weights.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: "RotaryEmbedding" not in r.getMessage())
 
     # ---- sampling ----
     def generate(self, prompts: list[list[int]], prompt_ids: list[int], group_size: int,

@@ -141,6 +141,34 @@ class JsonlTask:
         return float(_same_number(extract_number(text, last=True), answer))
 
 
+def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32) -> None:
+    """A deliberately SHORT supervised start on CountTask (teacher-forced answer + EOS).
+
+    From random init the count task's reward is too sparse for RL on 2 cores (ENV-NOTES.md);
+    a few supervised steps teach the answer format and stop far below what supervision alone
+    would reach, so the RL phase has real work left (the built-in model's role is that of an
+    instruct model that is mediocre at the task).
+    """
+    import torch
+
+    task = CountTask(seed=12345, eval_prompts=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for step in range(steps):
+        probs = [task.train_problem(step * batch + i) for i in range(batch)]
+        rows = [(tok(p.prompt, add_special_tokens=False).input_ids,
+                 tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]) for p in probs]
+        T = max(len(q) + len(a) for q, a in rows)
+        ids = torch.full((batch, T), tok.pad_token_id)
+        labels = torch.full((batch, T), -100)
+        for i, (q, a) in enumerate(rows):
+            ids[i, :len(q) + len(a)] = torch.tensor(q + a)
+            labels[i, len(q):len(q) + len(a)] = torch.tensor(a)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def make_task(cfg: TaskConfig, seed: int):
     if cfg.name == "count":
         return CountTask(seed, cfg.eval_prompts)

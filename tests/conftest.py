@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("MINIRL_CACHE", os.path.join(ROOT, ".cache", "minirl"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
 
 
@@ -31,8 +32,10 @@ def world():
 
 def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repo root; on failure show its output."""
+    # The `world` fixture makes this process a torchrun world of one; a child must not inherit it.
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                       env={**base, "PYTHONUNBUFFERED": "1", **(env or {})})
     if p.returncode != 0:
         print(p.stdout[-6000:], p.stderr[-6000:], sep="\n----- stderr -----\n")
     return p
