@@ -1,9 +1,16 @@
-"""The rank-local rollout store and the dispatch that turns a chunk index into tensors.
+"""The rank-local rollout store and the dispatch that turns a (mini, micro) index into tensors.
 
 spec/batching.md "The core idea": the driver loop passes indices only (B3). `pack` turns this
-rank's samples into right-padded tensors once per collected batch; `chunk(batch, start, size)`
-returns rows [start, start + size) of it, trimmed to that chunk's own longest sequence, so a
-micro-batch of short completions costs short activations. The trainer then sees a plain batch.
+rank's samples into right-padded tensors once per collected batch. `plan_chunks` decides which
+rows each (mini, micro) index means: fixed-size micro-batches, or, with a token budget (X1),
+micro-batches packed under the budget and balanced by token cost. `RolloutStore.chunk(mini,
+micro)` returns those rows trimmed to the chunk's own longest sequence, so the trainer sees a
+plain batch and a micro-batch of short completions costs short activations.
+
+The store counts its readers (spec: "BulkStore readers"): every planned chunk is read once per
+training epoch, plus once more when the pi_old ahead pass runs. The caller sets the count
+from the SAME predicate that runs the pass (B18); reading past it raises (the batch is already
+released) and `close()` raises if reads were left over (a leak).
 
 Shapes: B_r rows on this rank, T = longest prompt + completion in the batch.
 Row layout: [prompt tokens | completion tokens | pad]; `mask` is 1.0 on completion tokens.
@@ -13,7 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from minirl import dist
 from minirl.rollout import Samples
+
+Plan = list[list[list[int]]]  # plan[mini][micro] = row indices on this rank
 
 
 def pack(samples: Samples, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
@@ -32,8 +42,92 @@ def pack(samples: Samples, advantages: torch.Tensor, pad_id: int) -> dict[str, t
             "advantages": advantages.float(), "lengths": torch.tensor([len(r) for r in rows])}
 
 
-def chunk(batch: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
-    """Rows [start, start+size) of this rank's batch, columns trimmed to the chunk's longest row."""
-    rows = slice(start, start + size)
-    T = int(batch["lengths"][rows].max())
-    return {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in batch.items()}
+def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0) -> Plan:
+    """Rows of each mini-batch (contiguous, equal) split into micro-batches.
+
+    max_tokens == 0: consecutive slices of `micro_rows` rows (n_micro fixed by config).
+    max_tokens > 0: the fewest micro-batches whose padded token cost (rows x longest row) fits
+    the budget, balanced by cost, and the SAME count on every data-parallel rank (a collective),
+    since FSDP needs every rank to run the same number of forward/backward calls. A row longer
+    than the budget gets a micro-batch of its own.
+    """
+    per_mini = len(lengths) // n_mini
+    plan = []
+    for mini in range(n_mini):
+        rows = list(range(mini * per_mini, (mini + 1) * per_mini))
+        if not max_tokens:
+            plan.append([rows[i:i + micro_rows] for i in range(0, per_mini, micro_rows)])
+            continue
+        n = _agree_max(_first_fit_count(rows, lengths, max_tokens))
+        while True:
+            bins = _balanced(rows, lengths, n)
+            ok = all(_cost(b, lengths) <= max_tokens or len(b) == 1 for b in bins)
+            if _agree_max(0 if ok else 1) == 0:
+                break
+            n += 1
+        plan.append(bins)
+    return plan
+
+
+def _cost(rows: list[int], lengths: list[int]) -> int:
+    return len(rows) * max((lengths[r] for r in rows), default=0)  # padded tokens of the chunk
+
+
+def _first_fit_count(rows, lengths, budget) -> int:
+    bins: list[list[int]] = []
+    for r in sorted(rows, key=lambda r: -lengths[r]):
+        for b in bins:
+            if _cost(b + [r], lengths) <= budget:
+                b.append(r)
+                break
+        else:
+            bins.append([r])
+    return len(bins)
+
+
+def _balanced(rows, lengths, n) -> list[list[int]]:
+    """Longest-first into the bin with the least cost so far; each bin's rows kept in batch order."""
+    n = min(n, len(rows))
+    bins: list[list[int]] = [[] for _ in range(n)]
+    for r in sorted(rows, key=lambda r: (-lengths[r], r)):
+        min(bins, key=lambda b: (_cost(b + [r], lengths), len(b))).append(r)
+    return [sorted(b) for b in bins]
+
+
+def _agree_max(x: int) -> int:
+    return int(dist.all_reduce(torch.tensor([float(x)]), "max").item())
+
+
+class RolloutStore:
+    """This rank's collected batch, handed out chunk by chunk and released after its last reader."""
+
+    def __init__(self, batch: dict[str, torch.Tensor], plan: Plan, reads_per_chunk: int):
+        self.batch, self.plan = batch, plan
+        self.reads_left = reads_per_chunk * sum(len(m) for m in plan)
+
+    def chunk(self, mini: int, micro: int) -> dict[str, torch.Tensor]:
+        """The rows of (mini, micro), columns trimmed to the chunk's longest row."""
+        if self.reads_left <= 0:
+            self._read()  # raises
+        rows = torch.tensor(self.plan[mini][micro])
+        T = int(self.batch["lengths"][rows].max())
+        out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.batch.items()}
+        self._read()
+        return out
+
+    def skip(self) -> None:
+        """A planned read that will not happen (the rest of a poisoned window)."""
+        self._read()
+
+    def _read(self) -> None:
+        if self.reads_left <= 0:
+            raise KeyError("rollout store: read after the batch was released "
+                           "(the ahead pass ran but the reader count was not raised for it)")
+        self.reads_left -= 1
+        if self.reads_left == 0:
+            self.batch = {k: v for k, v in self.batch.items() if k == "lengths"}  # release the bulk
+
+    def close(self) -> None:
+        if self.reads_left:
+            raise RuntimeError(f"rollout store: {self.reads_left} planned read(s) never happened: the batch "
+                               "leaked (reader count raised for an ahead pass that did not run)")

@@ -85,6 +85,11 @@ class RLConfig:
     """Trajectories per optimizer step; 0 = the whole batch (one step)."""
     micro_batch_per_replica: int = 0
     """Trajectories per forward/backward; 0 = the whole mini-batch (no accumulation)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token-budgeted micro-batching: pack each mini-batch into micro-batches of at most this many
+    padded tokens, balanced by cost (0 = off; replaces --rl.micro-batch-per-replica)."""
+    mu_iterations: int = 1
+    """Inner PPO epochs over one collected batch, all scored against the frozen pi_old."""
     grad_accum: int = 1
     """Retired for GRPO: the accumulation count is derived; set --rl.micro-batch-per-replica instead."""
     lr: float = 1e-4
@@ -155,7 +160,15 @@ class GRPOArgs:
 
     @property
     def n_micro(self) -> int:
+        """Micro-batches per optimizer step; with a token budget, decided per mini-batch at run time."""
         return self.mini_batch // self.micro_batch
+
+    @property
+    def needs_cached_old_logprobs(self) -> bool:
+        """Several optimizer steps per collected batch move the policy under later chunks, so pi_old
+        must be scored once up front (spec "pi_old must be frozen across the window"), unless the
+        loss takes the engine's logprobs. GRPO's clipped objective always consumes pi_old."""
+        return (self.n_mini > 1 or self.rl.mu_iterations > 1) and not self.rl.use_rollout_logprobs_for_loss
 
     def validate(self, world_size: int = 1) -> "GRPOArgs":
         """Raise ConfigError naming the flag for anything the run cannot do. Cheap: no I/O but stat()."""
@@ -176,6 +189,12 @@ class GRPOArgs:
                           ("--rl.micro-batch-per-replica", rl.micro_batch_per_replica)):
             if val < 0:
                 raise ConfigError(f"{flag}={val} must be >= 0 (0 = the whole level above)")
+        _positive("--rl.mu-iterations", rl.mu_iterations)
+        if rl.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"--rl.max-tokens-per-micro-batch={rl.max_tokens_per_micro_batch} must be >= 0")
+        if rl.max_tokens_per_micro_batch and rl.micro_batch_per_replica:
+            raise ConfigError("set one of --rl.micro-batch-per-replica (fixed rows) and "
+                              "--rl.max-tokens-per-micro-batch (token budget), not both")
         if self.rl.batch_per_replica % self.mini_batch:
             raise ConfigError(
                 f"--rl.mini-batch-per-replica={rl.mini_batch_per_replica} must divide "

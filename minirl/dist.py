@@ -84,6 +84,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def set_deterministic() -> None:
+    """`rl.deterministic`: deterministic kernels everywhere (spec "A determinism mode").
+
+    The trap: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates its handle, so it must be in
+    the LAUNCH environment (`CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun ...`). Setting it here is
+    only safe while CUDA is still uninitialised; once it is up, this raises rather than warns.
+    """
+    if torch.cuda.is_available() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        if torch.cuda.is_initialized():
+            raise RuntimeError("--rl.deterministic: CUDA is already initialised without CUBLAS_WORKSPACE_CONFIG; "
+                               "launch with CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment")
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    if torch.cuda.is_available():  # flash / memory-efficient attention backward is not deterministic
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+
+
 @contextlib.contextmanager
 def private_world(port: int | None = None):
     """Environment for building a single-process vLLM engine inside a larger torchrun world.

@@ -4,9 +4,9 @@
     torchrun --nproc-per-node 2 -m minirl.grpo --steps 20       # two ranks: FSDP2 over gloo/NCCL
 
 Each loop step: sample G completions for P prompts with vLLM -> score -> group advantages ->
-n_mini optimizer steps of n_micro forward/backward chunks each -> publish the new weights to
-the engine -> log. Weight sync, the reward report and evaluation happen once per collected
-batch, never per optimizer step (B4).
+(mu_iterations x) n_mini optimizer steps of n_micro forward/backward chunks each -> publish the
+new weights to the engine -> log. Weight sync, the reward report and evaluation happen once
+per collected batch, never per optimizer step (B4).
 
 How it departs from the GRPO paper: no reference KL unless --rl.kl-coef > 0; the loss is a
 token mean over the whole mini-batch (DAPO-style), made exact under micro-batching by the
@@ -26,13 +26,13 @@ import torch
 import tyro
 
 from minirl import dist, models
-from minirl.models import token_logprobs as score
 from minirl.accumulator import Accumulator, across_ranks, roll_up
-from minirl.batch import chunk, pack
+from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.checkpoint import export_hf
 from minirl.config import ConfigError, GRPOArgs
 from minirl.gae import group_advantages
 from minirl.logger import RunLog
+from minirl.models import token_logprobs as score
 from minirl.objective import policy_loss
 from minirl.rollout import Engine, check_model
 from minirl.tasks import dp_partition, make_task, prompt_id
@@ -45,107 +45,181 @@ def main(argv: list[str] | None = None) -> dict:
     path = models.resolve_path(args.model)
     max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
+    if args.rl.deterministic:
+        dist.set_deterministic()
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every)
-    log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; "
-             f"n_mini={args.n_mini} n_micro={args.n_micro}")
+    log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
+             f"n_micro={'by token budget' if args.rl.max_tokens_per_micro_batch else args.n_micro}")
     if world.is_main:
         with open(os.path.join(args.log.run_dir, "config.json"), "w") as f:
             json.dump(args.to_dict(), f, indent=2)
 
-    # ---- build: task, trainer (FSDP2), reference, engine ----
+    # ---- build: task, trainer (FSDP2), reference, engine side by side ----
     dist.seed_everything(args.seed)
-    rl = args.rl
+    rl, G, dp = args.rl, args.rl.group_size, world.world_size
+    P = rl.batch_per_replica // G
     task = make_task(args.task, args.seed)
     tok = models.load_tokenizer(path)
-    policy = dist.shard(models.load_policy(path, args.model.dtype), world, models.DTYPES[args.model.dtype])
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    dtype = models.DTYPES[args.model.dtype]
+    policy = dist.shard(models.load_policy(path, args.model.dtype), world, dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=rl.weight_decay)
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm)
-    ref = None
-    if rl.kl_coef:
-        ref = dist.shard(models.load_reference(path, args.model.dtype), world, models.DTYPES[args.model.dtype])
+    ref = dist.shard(models.load_reference(path, args.model.dtype), world, dtype) if rl.kl_coef else None
+    probe = Probe(policy)
     with log.phase("build_engine"):
         engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
                         sleep_mode=rl.colocated_offload)
+    record: dict = {}
     try:
-        return _loop(args, world, task, tok, policy, ref, acc, engine, log, path)
+        for step in range(args.steps):
+            t_step = time.perf_counter()
+            # ---- sample: this rank's share of the step's P prompts (B14: canonical partition) ----
+            pids = [prompt_id(0, step * P + i) for i in range(P)]
+            keys = [(pid, j) for pid in pids for j in range(G)]              # (group_id, id) of all B rows
+            mine = sorted({keys[i][0] for i in dp_partition(keys, world.rank, dp)})
+            problems = {pid: task.train_problem(pid) for pid in mine}
+            prompts = [_encode(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
+            with log.phase("generate"):
+                samples = engine.generate(prompts, mine, G)
+
+            # ---- score and advantages ----
+            texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
+            rewards = torch.tensor([task.reward(t, problems[pid].answer)
+                                    for t, pid in zip(texts, samples.prompt_ids)])   # (B_r,)
+            advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
+            batch = pack(samples, advantages, pad_id)                              # (B_r, T) tensors
+            plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
+                               rl.max_tokens_per_micro_batch)
+            ahead = args.needs_cached_old_logprobs
+            store = RolloutStore(batch, plan, reads_per_chunk=rl.mu_iterations + ahead)  # B18: same predicate
+
+            # ---- update: the rollout sleeps while the trainer holds the card (B20) ----
+            engine.sleep()
+            with log.phase("train"):
+                calls, steps_out = update(policy, ref, acc, store, args, probe, ahead)
+            store.close()
+
+            # ---- publish: wake the weights, sync, then the KV cache (B20) ----
+            engine.wake_up(["weights"])
+            with log.phase("weight_sync"):
+                engine.load_weights(dist.full_parameters(policy))
+            engine.wake_up(["kv_cache"])
+
+            # ---- report once per collected batch (B4) ----
+            lengths = [len(c) for c in samples.completion_tokens]
+            totals = dist.all_reduce(torch.tensor([rewards.sum().item(), float(len(rewards)), float(sum(lengths))]))
+            record = {"step": step, "reward_mean": (totals[0] / totals[1]).item(),
+                      "completion_len_mean": (totals[2] / totals[1]).item(),
+                      **across_ranks({"completion_len_max": float(max(lengths)), **roll_up(calls)}),
+                      **roll_up(steps_out), "optimizer_steps": acc.steps, "weight_syncs": engine.loads}
+            if args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1):
+                with log.phase("eval"):
+                    record["eval_accuracy"] = evaluate(engine, task, tok, world, args.rollout.max_prompt_tokens)
+            record["time/step"] = time.perf_counter() - t_step
+            record["tokens_per_s"] = totals[2].item() / record["time/step"]
+            log.write(record)
+
+        # ---- final policy in Hugging Face format ----
+        export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
+        dist.barrier()
     finally:
         engine.close()
         log.close()
-
-
-def _loop(args, world, task, tok, policy, ref, acc, engine, log, path) -> dict:
-    rl, G, dp = args.rl, args.rl.group_size, world.world_size
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    P = rl.batch_per_replica // G
-    mini_r, micro_r = args.mini_batch // dp, args.micro_batch // dp  # this rank's rows per mini / micro
-    record: dict = {}
-    for step in range(args.steps):
-        t_step = time.perf_counter()
-        # ---- sample: this rank's share of the step's P prompts (B14: canonical partition) ----
-        pids = [prompt_id(0, step * P + i) for i in range(P)]
-        keys = [(pid, j) for pid in pids for j in range(G)]              # (group_id, id) of all B rows
-        mine = sorted({keys[i][0] for i in dp_partition(keys, world.rank, dp)})
-        problems = {pid: task.train_problem(pid) for pid in mine}
-        prompts = [_encode(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
-        with log.phase("generate"):
-            samples = engine.generate(prompts, mine, G)
-        # ---- score and advantages ----
-        texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
-        rewards = torch.tensor([task.reward(t, problems[pid].answer)
-                                for t, pid in zip(texts, samples.prompt_ids)])   # (B_r,)
-        advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
-        batch = pack(samples, advantages, pad_id)                              # tensors, (B_r, T)
-
-        # ---- update: n_mini optimizer steps of n_micro chunks (indices only, B3) ----
-        engine.sleep()
-        with log.phase("train"):
-            policy.train()
-            old_logps = _ahead_pass(policy, batch, args, mini_r, micro_r)  # pi_old frozen across the window (B17)
-            calls, steps_out = [], []
-            for mini in range(args.n_mini):
-                for micro in range(args.n_micro):
-                    if acc.discarding():  # rest of a poisoned window (B12)
-                        continue
-                    c = chunk(batch, mini * mini_r + micro * micro_r, micro_r)   # (micro_r, T_c)
-                    logp = score(policy, c["input_ids"])
-                    if old_logps is not None:
-                        old = old_logps[mini * args.n_micro + micro]
-                    elif rl.use_rollout_logprobs_for_loss:
-                        old = c["rollout_logp"]
-                    else:
-                        old = logp.detach()
-                    ref_logp = None
-                    if ref is not None:
-                        with torch.no_grad():
-                            ref_logp = score(ref, c["input_ids"])
-                    loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps,
-                                                   ref_logp, rl.kl_coef)
-                    calls.append(m)
-                    out = acc.backward(loss, divisor)
-                    if out is not None:
-                        steps_out.append(out)
-        # ---- publish: wake the weights, sync, then the KV cache (B20) ----
-        engine.wake_up(["weights"])
-        with log.phase("weight_sync"):
-            engine.load_weights(dist.full_parameters(policy))
-        engine.wake_up(["kv_cache"])
-
-        # ---- report once per collected batch (B4) ----
-        n_tokens = torch.tensor(float(sum(map(len, samples.completion_tokens))))
-        reward_sum = dist.all_reduce(torch.tensor([rewards.sum().item(), float(len(rewards))]))
-        record = {"step": step, "reward_mean": (reward_sum[0] / reward_sum[1]).item(),
-                  **across_ranks(roll_up(calls)), **roll_up(steps_out), "optimizer_steps": acc.steps}
-        if args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1):
-            with log.phase("eval"):
-                record["eval_accuracy"] = evaluate(engine, task, tok, world, args.rollout.max_prompt_tokens)
-        record["time/step"] = time.perf_counter() - t_step
-        record["tokens_per_s"] = dist.all_reduce(n_tokens).item() / record["time/step"]
-        log.write(record)
-
-    # ---- final policy in Hugging Face format ----
-    export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
-    dist.barrier()
     return record
+
+
+def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, probe: "Probe",
+           ahead: bool) -> tuple[list[dict], list[dict]]:
+    """Train on one collected batch: mu_iterations x n_mini optimizer steps of planned micro-batches.
+
+    The (mini, micro) loop passes indices only; the store materializes this rank's rows (B3).
+    pi_old: the ahead pass's record when `ahead` (B17); else the engine's logprobs under
+    --rl.use-rollout-logprobs-for-loss; else `logp.detach()`, exact when nothing moved yet (B5).
+    Returns the per-call objective metrics and the per-step accumulator metrics.
+    """
+    rl = args.rl
+    policy.train()
+    old_logps = ahead_pass(policy, store, probe) if ahead else None
+    calls, steps_out = [], []
+    for _ in range(rl.mu_iterations):
+        k = 0  # call order within the epoch: the key of the ahead pass's record
+        for mini, micros in enumerate(store.plan):
+            acc.n_micro = len(micros)  # fixed by config, or decided per mini-batch by the token budget
+            for micro in range(len(micros)):
+                k += 1
+                if acc.discarding():  # the rest of a poisoned window (B12)
+                    store.skip()
+                    continue
+                c = store.chunk(mini, micro)                                    # (rows, T_c)
+                logp = score(policy, c["input_ids"])
+                if old_logps is not None:
+                    old = old_logps[k - 1]
+                elif rl.use_rollout_logprobs_for_loss:
+                    old = c["rollout_logp"]
+                else:
+                    old = logp.detach()
+                ref_logp = None
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logp = score(ref, c["input_ids"])
+                loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps, ref_logp, rl.kl_coef)
+                calls.append(m)
+                out = acc.backward(loss, divisor)
+                if out is not None:
+                    steps_out.append(out)
+    return calls, steps_out
+
+
+@torch.no_grad()
+def ahead_pass(policy, store: RolloutStore, probe: "Probe") -> list[torch.Tensor]:
+    """pi_old for every planned chunk, scored in eval() before any optimizer step (B17).
+
+    Keyed by call order: the training loop walks the same (mini, micro) plan in the same order.
+    The first chunk of the run also feeds the one-shot determinism probe (B19).
+    """
+    out = []
+    policy.eval()
+    for mini, micros in enumerate(store.plan):
+        for micro in range(len(micros)):
+            c = store.chunk(mini, micro)
+            out.append(score(policy, c["input_ids"]))
+            if not probe.done:
+                probe(c["input_ids"], c["mask"], out[-1])
+    policy.train()
+    return out
+
+
+class Probe:
+    """One-shot screen for a stochastic forward (spec: "The determinism probe").
+
+    On the first ahead chunk of a run, re-score it in train() mode at unchanged weights and
+    compare with the eval() record. Fails when the mesh-wide fraction of completion tokens whose
+    logprob moved more than the model's declared per-token bound exceeds its tolerance. A model
+    declares them as `config.minirl_forward_noise = {"nats": ..., "tolerance": ...}`; one that
+    declares none gets the strict gate: 0.05 nats on any token.
+    """
+
+    def __init__(self, policy):
+        declared = getattr(policy.config, "minirl_forward_noise", None) or {}
+        self.nats = float(declared.get("nats", 0.05))
+        self.tolerance = float(declared.get("tolerance", 0.0))
+        self.policy, self.done, self.fraction = policy, False, None
+
+    @torch.no_grad()
+    def __call__(self, input_ids, mask, eval_logp) -> None:
+        self.done = True
+        self.policy.train()
+        moved = ((score(self.policy, input_ids) - eval_logp).abs() > self.nats).float() * mask
+        self.policy.eval()
+        counts = dist.all_reduce(torch.stack([moved.sum(), mask.sum()]).double())
+        self.fraction = (counts[0] / counts[1].clamp_min(1)).item()
+        if self.fraction > self.tolerance:
+            raise RuntimeError(
+                f"determinism probe: {self.fraction:.1%} of tokens moved more than {self.nats} nats between "
+                f"eval() and train() forwards at unchanged weights (tolerance {self.tolerance:.1%}). pi_old "
+                "from the ahead pass would not match training: disable dropout/stochastic layers, or run "
+                "with --rl.mini-batch-per-replica 0 --rl.mu-iterations 1")
 
 
 def _encode(tok, text: str, limit: int) -> list[int]:
@@ -155,37 +229,16 @@ def _encode(tok, text: str, limit: int) -> list[int]:
     return ids
 
 
-def _ahead_pass(policy, batch, args: GRPOArgs, mini_r: int, micro_r: int) -> list[torch.Tensor] | None:
-    """pi_old for every chunk of the window, scored once before any optimizer step (B17).
-
-    Only when n_mini > 1 and the loss does not take the engine's logprobs: at n_mini == 1 nothing
-    moves between the forward and the update, so `logp.detach()` is exact and the pass is skipped.
-    Keyed by call order: the training loop walks the same (mini, micro) product in the same order.
-    """
-    if args.n_mini == 1 or args.rl.use_rollout_logprobs_for_loss:
-        return None
-    out = []
-    policy.eval()
-    with torch.no_grad():
-        for mini in range(args.n_mini):
-            for micro in range(args.n_micro):
-                c = chunk(batch, mini * mini_r + micro * micro_r, micro_r)
-                out.append(score(policy, c["input_ids"]))
-    policy.train()
-    return out
-
-
 @torch.no_grad()
 def evaluate(engine: Engine, task, tok, world, max_prompt_tokens: int) -> float:
     """Greedy accuracy on the task's held-out prompts, split over ranks, averaged over all."""
     share = task.eval_set[world.rank::world.world_size]
+    hits = 0.0
     if share:
         prompts = [_encode(tok, p.prompt, max_prompt_tokens) for p in share]
         out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
         texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
         hits = sum(task.reward(t, p.answer) for t, p in zip(texts, share))
-    else:
-        hits = 0.0
     tot = dist.all_reduce(torch.tensor([float(hits), float(len(share))]))
     return (tot[0] / tot[1]).item()
 

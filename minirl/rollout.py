@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,8 @@ class Engine:
     sleep_mode: bool = False       # colocated hand-off; vLLM only supports it on CUDA
     private: bool = False          # build in a world of one (disaggregated rollout ranks)
     state: str = "awake"
-    events: list[str] = field(default_factory=list)  # every sleep / wake / load, for tests and logs
+    events: deque = field(default_factory=lambda: deque(maxlen=64))  # recent sleep / wake / load, for tests
+    loads: int = 0                 # load_weights calls so far
     _stale: bool = False           # level-2 sleep discarded the weights: a full sync must come first
 
     def __post_init__(self):
@@ -170,6 +172,7 @@ class Engine:
         self._runner().reload_weights(weights_iterator=counted())
         self._stale = False  # reload_weights rewrites every parameter it is handed; callers send all of them
         self.events.append(f"load_weights:{n}")
+        self.loads += 1
         return n
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
-"""batch.py: the rank-local store and the (mini, micro) dispatch (B3)."""
+"""batch.py: the rank-local store, the (mini, micro) plan and dispatch (B3, X1)."""
 
 import torch
 
-from minirl.batch import chunk, pack
+import pytest
+
+from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.rollout import Samples
 
 
@@ -22,10 +24,35 @@ def test_pack_masks_completions_only_and_keeps_rollout_logprobs():
 
 def test_chunk_is_rows_of_this_ranks_share_trimmed():
     b = pack(samples(), torch.arange(4.0), pad_id=0)
-    c = chunk(b, 2, 2)
+    plan = plan_chunks(b["lengths"].tolist(), n_mini=2, micro_rows=1)
+    assert plan == [[[0], [1]], [[2], [3]]]
+    store = RolloutStore(b, plan_chunks(b["lengths"].tolist(), 1, 2), reads_per_chunk=1)
+    c = store.chunk(0, 1)
     assert c["input_ids"].shape == (2, 3)  # trimmed to the chunk's own longest row
     assert c["advantages"].tolist() == [2.0, 3.0]
     assert torch.equal(c["mask"], b["mask"][2:4, :3])
     # every (mini, micro) index covers each row exactly once
-    seen = torch.cat([chunk(b, s, 1)["advantages"] for s in range(4)])
+    store = RolloutStore(b, plan, reads_per_chunk=1)
+    seen = torch.cat([store.chunk(m, u)["advantages"] for m in range(2) for u in range(2)])
     assert seen.tolist() == [0.0, 1.0, 2.0, 3.0]
+    store.close()
+
+
+def test_store_releases_after_last_reader_and_refuses_more():
+    b = pack(samples(), torch.arange(4.0), pad_id=0)
+    store = RolloutStore(b, [[[0, 1, 2, 3]]], reads_per_chunk=2)
+    store.chunk(0, 0)
+    store.chunk(0, 0)
+    assert "input_ids" not in store.batch  # the bulk is released
+    with pytest.raises(KeyError):
+        store.chunk(0, 0)
+
+
+def test_token_budget_plan_fits_balances_and_agrees(world):
+    lengths = [30, 5, 5, 5, 28, 6, 7, 2]
+    plan = plan_chunks(lengths, n_mini=2, micro_rows=0, max_tokens=40)
+    for mini, bins in enumerate(plan):
+        assert sorted(r for b in bins for r in b) == list(range(4 * mini, 4 * mini + 4))
+        assert all(len(b) * max(lengths[r] for r in b) <= 40 or len(b) == 1 for b in bins)
+    assert plan[0] == [[0], [1, 2, 3]]
+    assert plan_chunks([50, 3], 1, 0, max_tokens=10) == [[[0], [1]]]  # over-budget row alone

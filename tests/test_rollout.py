@@ -103,7 +103,7 @@ def test_sleep_wake_state_machine(engine, prompts):
         engine.generate(prompts, [1, 2, 3], 1)
     n = engine.load_weights(load_policy(engine.path).named_parameters())
     engine.generate(prompts, [1, 2, 3], 1)
-    assert engine.events[-4:] == ["sleep:2", "wake:weights", "wake:kv_cache", f"load_weights:{n}"]
+    assert list(engine.events)[-4:] == ["sleep:2", "wake:weights", "wake:kv_cache", f"load_weights:{n}"]
 
 
 def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):

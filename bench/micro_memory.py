@@ -1,0 +1,123 @@
+"""Peak memory of one GRPO optimizer step, un-chunked vs micro-batched (spec/batching.md: "Micro-batching
+is what fixes the OOM"), through the real update path (grpo.update, FSDP2 world of one, CPU).
+
+    python bench/micro_memory.py --n-micro 1 8           # peaks side by side, and the gradient difference
+    python bench/micro_memory.py --n-micro 1 --budget-mib 300   # fails (exit 3) if the step needs more
+
+--budget-mib caps the address space this process may ADD after the model and batch are built
+(RLIMIT_AS = current size + budget), so a step that needs more fails with an out-of-memory error.
+Prints one JSON line per configuration: {"n_micro", "peak_mib" (RSS growth over the step), "grad_diff"}.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from minirl import dist  # noqa: E402
+from minirl.accumulator import Accumulator  # noqa: E402
+from minirl.batch import RolloutStore, pack, plan_chunks  # noqa: E402
+from minirl.config import GRPOArgs, ModelConfig  # noqa: E402
+from minirl.grpo import Probe, update  # noqa: E402
+from minirl.models import load_policy, resolve_path  # noqa: E402
+from minirl.rollout import Samples  # noqa: E402
+
+
+def batch(rows: int, completion: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    lens = [completion // (1 + i % 4) for i in range(rows)]  # unequal lengths
+    comps = [torch.randint(3, 40, (n,), generator=g).tolist() for n in lens]
+    s = Samples(list(range(rows)), [[5, 6, 7]] * rows, comps, [[-1.0] * n for n in lens], ["length"] * rows)
+    return pack(s, torch.tensor([1.0, -1.0] * (rows // 2)), pad_id=0)
+
+
+def vm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def one_step(path, n_micro, rows, completion, budget_mib=None):
+    world = dist.init()
+    args = GRPOArgs()
+    args.rl.group_size, args.rl.batch_per_replica = 2, rows
+    args.rl.micro_batch_per_replica = 0 if n_micro == 1 else rows // n_micro
+    args.validate(1)
+    policy = dist.shard(load_policy(path), world, torch.float32)
+    grads = {}
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            grads.update({n: p.grad.full_tensor().clone() for n, p in policy.named_parameters()})
+            return super().step(closure)
+
+    acc = Accumulator(policy, Recording(policy.parameters(), lr=0.1), args.n_micro)
+    b = batch(rows, completion)
+    store = RolloutStore(b, plan_chunks(b["lengths"].tolist(), 1, args.micro_batch), 1)
+    before = rss_mib()
+    if budget_mib is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + budget_mib * 2**20, resource.RLIM_INFINITY))
+    update(policy, None, acc, store, args, Probe(policy), ahead=False)
+    return rss_mib() - before, grads
+
+
+def worker(a) -> None:
+    """One configuration in this process (a peak RSS is a per-process high-water mark)."""
+    try:
+        peak, grads = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+            raise
+        print(json.dumps({"n_micro": a.worker, "oom": True, "error": str(e)[:200]}), flush=True)
+        sys.exit(3)
+    torch.save(grads, a.grads)
+    print(json.dumps({"n_micro": a.worker, "peak_mib": round(peak, 1)}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n-micro", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--completion", type=int, default=1024)
+    ap.add_argument("--budget-mib", type=int, default=None)
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--grads", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    a = ap.parse_args()
+    if a.worker is not None:
+        return worker(a)
+    import subprocess
+    import tempfile
+    rows, ref = [], None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in a.n_micro:
+            gfile = os.path.join(tmp, f"g{n}.pt")
+            cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile,
+                   "--rows", str(a.rows), "--completion", str(a.completion)]
+            if a.budget_mib is not None:
+                cmd += ["--budget-mib", str(a.budget_mib)]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            row = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {"n_micro": n, "error": p.stderr[-500:]}
+            if os.path.exists(gfile):
+                grads = torch.load(gfile, weights_only=True)
+                ref = ref or grads
+                row["grad_diff_vs_first"] = max((grads[k] - ref[k]).abs().max().item() for k in ref)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"rows": a.rows, "completion": a.completion, "budget_mib": a.budget_mib, "results": rows}, f, indent=1)
+    sys.exit(3 if any(r.get("oom") for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()

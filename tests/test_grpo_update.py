@@ -1,0 +1,141 @@
+"""grpo.update on the real tiny model (FSDP2, world of one), no engine: the frozen pi_old ahead pass
+(B17), the store's readers (B18), the determinism probe (B19), token-budgeted micro-batches (X1),
+inner epochs (X2) and the determinism mode (B15)."""
+
+import pytest
+import torch
+
+from minirl import dist
+from minirl.accumulator import Accumulator
+from minirl.batch import RolloutStore, pack, plan_chunks
+from minirl.config import GRPOArgs
+from minirl.grpo import Probe, update
+from minirl.models import load_policy, token_logprobs
+from minirl.rollout import Samples
+
+
+def synthetic_batch(n=16, seed=0):
+    """n rows with very unequal completion lengths and +-1 advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, comps = [], []
+    for i in range(n):
+        prompts.append(torch.randint(3, 40, (4,), generator=g).tolist())
+        comps.append(torch.randint(3, 40, ([1, 9, 3, 6][i % 4],), generator=g).tolist())
+    s = Samples(list(range(n)), prompts, comps, [[-1.0] * len(c) for c in comps], ["stop"] * n)
+    adv = torch.tensor([1.0, -1.0] * (n // 2))
+    return pack(s, adv, pad_id=0)
+
+
+def grpo_args(**rl):
+    a = GRPOArgs()
+    a.rl.group_size, a.rl.batch_per_replica = 2, 16
+    for k, v in rl.items():
+        setattr(a.rl, k, v)
+    return a.validate(1)
+
+
+class RecordingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        self.seen = getattr(self, "seen", []) + [[p.grad.full_tensor().clone() for p in self.param_groups[0]["params"]]]
+        return super().step(closure)
+
+
+def train(tiny_path, args, ahead=None, lr=0.05, batch=None, model=None, opt_cls=torch.optim.SGD):
+    world = dist.init()
+    policy = model or dist.shard(load_policy(tiny_path), world, torch.float32)
+    opt = opt_cls(policy.parameters(), lr=lr)
+    acc = Accumulator(policy, opt, args.n_micro, 0.0)
+    batch = batch or synthetic_batch()
+    ahead = args.needs_cached_old_logprobs if ahead is None else ahead
+    plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch, args.rl.max_tokens_per_micro_batch)
+    store = RolloutStore(batch, plan, args.rl.mu_iterations + ahead)
+    calls, steps = update(policy, None, acc, store, args, Probe(policy), ahead)
+    store.close()
+    return policy, opt, acc, calls, steps, plan
+
+
+def test_ahead_pass_makes_the_clip_bind_on_later_minibatches(tiny_path, world):
+    args = grpo_args(mini_batch_per_replica=4)
+    assert args.n_mini == 4 and args.needs_cached_old_logprobs
+    *_, calls, _, _ = train(tiny_path, args, lr=0.5)
+    assert calls[0]["grpo_clipfrac"] == 0.0                      # nothing has moved yet
+    assert max(c["grpo_clipfrac"] for c in calls[1:]) > 0.0       # later mini-batches are clipped
+    *_, calls_off, _, _ = train(tiny_path, args, ahead=False, lr=0.5)
+    assert all(c["grpo_clipfrac"] == 0.0 and c["grpo_ratio_max"] == 1.0 for c in calls_off)
+
+
+def test_no_ahead_pass_at_one_minibatch():
+    assert not grpo_args().needs_cached_old_logprobs
+    assert not grpo_args(mini_batch_per_replica=4, use_rollout_logprobs_for_loss=True).needs_cached_old_logprobs
+    assert grpo_args(mu_iterations=2).needs_cached_old_logprobs
+
+
+def test_store_readers_follow_the_ahead_pass_predicate(tiny_path, world):
+    args = grpo_args(mini_batch_per_replica=8)
+    policy = dist.shard(load_policy(tiny_path), world, torch.float32)
+    acc = Accumulator(policy, torch.optim.SGD(policy.parameters(), lr=0.1), args.n_micro)
+    batch = synthetic_batch()
+    plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch)
+    with pytest.raises(KeyError, match="released"):       # pass runs, readers not raised
+        update(policy, None, acc, RolloutStore(batch, plan, 1), args, Probe(policy), ahead=True)
+    store = RolloutStore(batch, plan, 2)                    # readers raised, pass skipped
+    update(policy, None, acc, store, args, Probe(policy), ahead=False)
+    with pytest.raises(RuntimeError, match="leaked"):
+        store.close()
+
+
+def test_probe_runs_once_and_fails_on_a_stochastic_forward(tiny_path, world):
+    args = grpo_args(mini_batch_per_replica=8)
+    model = dist.shard(load_policy(tiny_path), world, torch.float32)
+    train(tiny_path, args, model=model)
+    noisy = load_policy(tiny_path)
+    for layer in noisy.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # a stochastic layer that fires in train() only
+    noisy = dist.shard(noisy, world, torch.float32)
+    with pytest.raises(RuntimeError, match="determinism probe"):
+        train(tiny_path, args, model=noisy)
+    probe = Probe(model)  # the deterministic model passes, and says by how much
+    ids = torch.tensor([[5, 6, 7, 8]])
+    probe(ids, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), token_logprobs(model.eval(), ids))
+    assert probe.done and probe.fraction == 0.0
+
+
+def test_token_budget_micro_batches_equal_the_unchunked_step(tiny_path, world):
+    whole = train(tiny_path, grpo_args(), opt_cls=RecordingSGD)
+    budget = 40
+    args = grpo_args(max_tokens_per_micro_batch=budget)
+    policy, opt, acc, calls, steps, plan = train(tiny_path, args, opt_cls=RecordingSGD)
+    lengths = synthetic_batch()["lengths"].tolist()
+    assert len(plan[0]) > 1 and sorted(r for b in plan[0] for r in b) == list(range(16))
+    assert all(len(b) * max(lengths[r] for r in b) <= budget for b in plan[0])
+    assert acc.steps == 1
+    # float32: within a few ulps of the largest gradient (measured 3.6e-7 on grads up to 1.19)
+    diff = max((a - b).abs().max().item() for a, b in zip(whole[1].seen[0], opt.seen[0]))
+    scale = max(a.abs().max().item() for a in whole[1].seen[0])
+    assert diff <= 1e-6 * scale
+
+
+def test_mu_iterations_step_per_epoch_against_the_frozen_pi_old(tiny_path, world):
+    args = grpo_args(mu_iterations=3)
+    _, _, acc, calls, steps, _ = train(tiny_path, args, lr=0.5)
+    assert acc.steps == 3 and len(calls) == 3
+    assert calls[0]["grpo_ratio_max"] == 1.0
+    assert calls[1]["grpo_ratio_max"] != 1.0 and calls[2]["grpo_ratio_max"] != 1.0
+
+
+def test_deterministic_mode_raises_when_cuda_is_up_without_cublas_config(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with pytest.raises(RuntimeError, match="CUBLAS_WORKSPACE_CONFIG"):
+        dist.set_deterministic()
+
+
+def test_deterministic_mode_sets_the_knobs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        dist.set_deterministic()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
