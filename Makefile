@@ -3,7 +3,6 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STEPS ?= 800
 
 .PHONY: install demo test clean
 
@@ -19,8 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m minirl.grpo --steps $(STEPS) --rl.batch-per-replica 64 --log.eval-every 25 \
-	  --log.run-dir runs/demo
+	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -34,7 +34,7 @@ class TinyModelConfig:
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 256
     """MLP width."""
-    warm_start_steps: int = 10
+    warm_start_steps: int = 8
     """Supervised steps on the built-in task before saving (deliberately few: RL has to do the rest)."""
 
 
@@ -71,7 +71,7 @@ class TaskConfig:
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
     """JSONL file with one {"prompt": ..., "answer": ...} per line (for --task.name jsonl)."""
-    eval_prompts: int = 64
+    eval_prompts: int = 128
     """Held-out prompts scored greedily for `eval_accuracy`."""
 
 
@@ -128,6 +128,20 @@ class LogConfig:
     """Print a console line every this many steps."""
     eval_every: int = 5
     """Score held-out prompts greedily every this many steps, and at the first and last (0 = never)."""
+    target_eval_accuracy: float = 0.0
+    """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many loop steps (0 = only the emergency save on SIGTERM)."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: str = ""
+    """`` = fresh run; `auto` = the newest complete checkpoint in --checkpoint.dir (fresh if none); or a checkpoint folder."""
+    dir: str = ""
+    """Where checkpoints go (default: <run dir>/checkpoints)."""
 
 
 @dataclass
@@ -144,6 +158,11 @@ class GRPOArgs:
     rl: RLConfig = field(default_factory=RLConfig)
     grid: GridConfig = field(default_factory=GridConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
 
     # ---- derived (spec/batching.md: computed, never configured) ----
     @property
@@ -226,6 +245,11 @@ class GRPOArgs:
             raise ConfigError(f"--task.path={self.task.path!r} is not a file; give a JSONL prompt file "
                               "or use --task.name count")
         _positive("--rl.lr", rl.lr)
+        if self.checkpoint.every < 0 or self.checkpoint.keep < 1:
+            raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+        if self.checkpoint.resume not in ("", "auto") and not os.path.isdir(self.checkpoint.resume):
+            raise ConfigError(f"--checkpoint.resume={self.checkpoint.resume!r} is not a folder; "
+                              "give a checkpoint folder, `auto`, or leave it empty")
         return self
 
     def dp_size(self, world_size: int) -> int:

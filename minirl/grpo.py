@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
 import torch
 import tyro
 
-from minirl import dist, models
+from minirl import checkpoint, dist, models
 from minirl.accumulator import Accumulator, across_ranks, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.checkpoint import export_hf
@@ -34,6 +35,7 @@ from minirl.gae import group_advantages
 from minirl.logger import RunLog
 from minirl.models import token_logprobs as score
 from minirl.objective import policy_loss
+from minirl.offload import HandOff, Profile, TrainerOffload
 from minirl.rollout import Engine, check_model
 from minirl.tasks import dp_partition, make_task, prompt_id
 
@@ -47,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
     if args.rl.deterministic:
         dist.set_deterministic()
-    log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every)
+    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)
+    start = checkpoint.steps_done(resume) if resume else 0
+    log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start)
     log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
              f"n_micro={'by token budget' if args.rl.max_tokens_per_micro_batch else args.n_micro}")
     if world.is_main:
@@ -70,10 +74,28 @@ def main(argv: list[str] | None = None) -> dict:
     with log.phase("build_engine"):
         engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
                         sleep_mode=rl.colocated_offload)
-    record: dict = {}
+    profile = Profile(world.device)
+    handoff = HandOff(engine, TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy),
+                      enabled=rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
+
+    def save() -> None:
+        checkpoint.save(args.checkpoint_dir, step + 1, policy, optimizer, keep=args.checkpoint.keep, loop_state={
+            "optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
+
+    stop = _sigterm_flag()
     try:
-        for step in range(args.steps):
-            t_step = time.perf_counter()
+        if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
+            handoff.before_restore()
+            state = checkpoint.load(resume, policy, optimizer)
+            acc.steps, acc.skipped, probe.done = state["optimizer_steps"], state["skipped"], state["probe_done"]
+            log.info(f"resumed from {resume} at step {start}")
+            handoff.publish()
+        else:
+            handoff.start_fresh()
+        record: dict = {}
+        for step in range(start, args.steps):
+            t_step, syncs = time.perf_counter(), engine.loads
+            profile.begin_step()
             # ---- sample: this rank's share of the step's P prompts (B14: canonical partition) ----
             pids = [prompt_id(0, step * P + i) for i in range(P)]
             keys = [(pid, j) for pid in pids for j in range(G)]              # (group_id, id) of all B rows
@@ -82,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
             prompts = [_encode(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
             with log.phase("generate"):
                 samples = engine.generate(prompts, mine, G)
+            profile.mark("generate")
 
             # ---- score and advantages ----
             texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
@@ -94,17 +117,21 @@ def main(argv: list[str] | None = None) -> dict:
             ahead = args.needs_cached_old_logprobs
             store = RolloutStore(batch, plan, reads_per_chunk=rl.mu_iterations + ahead)  # B18: same predicate
 
-            # ---- update: the rollout sleeps while the trainer holds the card (B20) ----
-            engine.sleep()
+            # ---- update: the trainer holds the card while the rollout sleeps (B20) ----
+            handoff.to_trainer()
             with log.phase("train"):
                 calls, steps_out = update(policy, ref, acc, store, args, probe, ahead)
             store.close()
+            profile.mark("train")
+            evaluates = args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1)
+            saves = args.checkpoint.every and (step + 1) % args.checkpoint.every == 0
+            if saves and not evaluates:
+                with log.phase("checkpoint"):
+                    handoff.save_in_update_window(save)  # B22: before publication, one publish per step
 
-            # ---- publish: wake the weights, sync, then the KV cache (B20) ----
-            engine.wake_up(["weights"])
+            # ---- publish: wake the weights, sync, offload the trainer, wake the KV cache (B20) ----
             with log.phase("weight_sync"):
-                engine.load_weights(dist.full_parameters(policy))
-            engine.wake_up(["kv_cache"])
+                handoff.publish()
 
             # ---- report once per collected batch (B4) ----
             lengths = [len(c) for c in samples.completion_tokens]
@@ -112,21 +139,46 @@ def main(argv: list[str] | None = None) -> dict:
             record = {"step": step, "reward_mean": (totals[0] / totals[1]).item(),
                       "completion_len_mean": (totals[2] / totals[1]).item(),
                       **across_ranks({"completion_len_max": float(max(lengths)), **roll_up(calls)}),
-                      **roll_up(steps_out), "optimizer_steps": acc.steps, "weight_syncs": engine.loads}
-            if args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1):
+                      **roll_up(steps_out), "optimizer_steps": acc.steps, "weight_syncs": engine.loads - syncs}
+            if evaluates:
                 with log.phase("eval"):
                     record["eval_accuracy"] = evaluate(engine, task, tok, world, args.rollout.max_prompt_tokens)
+                profile.mark("eval")
+            terminate = stop()
+            if (saves and evaluates) or terminate:
+                with log.phase("checkpoint"):
+                    handoff.save_after_publication(save)  # B23: validation and emergency saves
             record["time/step"] = time.perf_counter() - t_step
             record["tokens_per_s"] = totals[2].item() / record["time/step"]
+            if profile.enabled:
+                record["grpo_step"] = profile.take()
             log.write(record)
+            if terminate:
+                log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
+                return record
+            if args.log.target_eval_accuracy and record.get("eval_accuracy", 0.0) >= args.log.target_eval_accuracy:
+                log.info(f"eval_accuracy {record['eval_accuracy']:.3f} reached --log.target-eval-accuracy; stopping")
+                break
 
         # ---- final policy in Hugging Face format ----
+        handoff.to_trainer()
         export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
         dist.barrier()
+    except BaseException:
+        handoff.cleanup()  # B24: never masks the error being raised
+        raise
     finally:
         engine.close()
         log.close()
     return record
+
+
+def _sigterm_flag():
+    """SIGTERM (torchrun forwards it to every rank) asks for an emergency save at the next step
+    boundary; ranks agree through a max all-reduce so they all save, or none does."""
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+    return lambda: bool(dist.all_reduce(torch.tensor([float(bool(got))]), "max").item())
 
 
 def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, probe: "Probe",
@@ -246,7 +298,7 @@ def evaluate(engine: Engine, task, tok, world, max_prompt_tokens: int) -> float:
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:  # a flag the run cannot use: say which, no traceback
+    except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag or checkpoint: say which, no traceback
         print(f"minirl.grpo: error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -14,13 +14,19 @@ import time
 
 
 class RunLog:
-    def __init__(self, run_dir: str, enabled: bool, every: int = 1):
+    def __init__(self, run_dir: str, enabled: bool, every: int = 1, start_step: int = 0):
         self.run_dir, self.enabled, self.every = run_dir, enabled, every
         self.times: dict[str, float] = {}
         self._file = None
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            kept = []
+            if start_step and os.path.exists(path):  # a resumed run keeps the steps it does not re-run
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("step", -1) < start_step]
+            self._file = open(path, "w")
+            self._file.writelines(kept)
 
     @contextlib.contextmanager
     def phase(self, name: str):

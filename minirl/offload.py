@@ -1,0 +1,168 @@
+"""The colocated hand-off: who holds the card while the rollout or the trainer runs.
+
+spec/batching.md "Colocated offload". One step on a colocated rank (B20):
+
+    generate -> rollout.sleep -> trainer.onload -> train -> rollout.wake_up(weights)
+             -> weight_sync -> trainer.offload -> rollout.wake_up(kv_cache) -> next generate
+
+- `TrainerOffload` moves the trainer's parameters, gradients and optimizer state to host
+  copies (pinned on CUDA) and back, bit-exactly. It works on storages: each tensor's storage
+  is copied to a host buffer and then resized to 0 bytes, so the release is real and
+  observable on CPU too (storage size 0 while offloaded); onload resizes and copies back, so
+  every view (FSDP2's sharded parameters are views into padded storages) sees its data again.
+- `HandOff` drives the engine and the trainer in that order, and owns the checkpoint windows
+  (B22-B23) and the exceptional-exit rule (B24). With `rl.colocated_offload=false`, or under
+  disaggregated placement, it does nothing but the weight sync (B26).
+- `MINIRL_PROFILE_LOOP=1`: `profile(name)` samples device memory at each phase boundary
+  (CUDA: allocated and reserved; CPU: process RSS) into a per-step `grpo_step` record (B27).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import torch
+
+
+class TrainerOffload:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep_grads: bool = False):
+        self.model, self.optimizer, self.keep_grads = model, optimizer, keep_grads
+        self.host: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
+        self.offloaded = False
+
+    def _tensors(self):
+        for p in self.model.parameters():
+            yield p.to_local() if hasattr(p, "to_local") else p
+            if p.grad is not None and not self.keep_grads:
+                g = p.grad
+                yield g.to_local() if hasattr(g, "to_local") else g
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:  # AdamW's scalar `step` stays
+                    yield v.to_local() if hasattr(v, "to_local") else v
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        if self.offloaded:
+            return
+        pin = torch.cuda.is_available()
+        for t in self._tensors():
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in self.host or s.nbytes() == 0:
+                continue
+            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
+            copy = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            copy.copy_(view)
+            self.host[key] = (s, copy)
+        for s, _ in self.host.values():
+            s.resize_(0)
+        self.offloaded = True
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        for s, copy in self.host.values():
+            s.resize_(copy.numel())
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(copy, non_blocking=False)
+        self.host.clear()
+        self.offloaded = False
+
+
+class HandOff:
+    """The colocated step cycle and checkpoint windows (B20-B26); every call is recorded in `events`."""
+
+    def __init__(self, engine, trainer: TrainerOffload | None, weights, enabled: bool, sleep_level: int = 1,
+                 profile: "Profile | None" = None):
+        self.engine, self.trainer, self.weights = engine, trainer, weights  # weights(): (name, tensor) iterator
+        self.enabled, self.level, self.profile = enabled, sleep_level, profile
+        self.events: list[str] = []
+
+    def _do(self, name: str, fn, *a) -> None:
+        self.events.append(name)
+        fn(*a)
+        if self.profile is not None:
+            self.profile.mark(name)
+
+    def start_fresh(self) -> None:
+        """A fresh run built engine and trainer side by side; the trainer leaves the card before the first draw."""
+        if self.enabled:
+            self._do("trainer.offload", self.trainer.offload)
+
+    def before_restore(self) -> None:
+        """A resumed run: the engine sleeps before the trainer loads its checkpoint (B25); `publish` follows."""
+        if self.enabled:
+            self._do("rollout.sleep", self.engine.sleep, self.level)
+
+    def to_trainer(self) -> None:
+        """generate -> rollout.sleep -> trainer.onload"""
+        if self.enabled:
+            self._do("rollout.sleep", self.engine.sleep, self.level)
+            self._do("trainer.onload", self.trainer.onload)
+
+    def publish(self) -> None:
+        """rollout.wake_up(weights) -> weight_sync -> trainer.offload -> rollout.wake_up(kv_cache)"""
+        if self.enabled:
+            self._do("rollout.wake_up(weights)", self.engine.wake_up, ["weights"])
+        self._do("weight_sync", lambda: self.engine.load_weights(self.weights()))
+        if self.enabled:
+            self._do("trainer.offload", self.trainer.offload)
+            self._do("rollout.wake_up(kv_cache)", self.engine.wake_up, ["kv_cache"])
+
+    def save_in_update_window(self, save) -> None:
+        """A scheduled save at a boundary that does not validate: the engine is still asleep and the
+        trainer resident, so it runs before publication and the step publishes once (B22)."""
+        self._do("checkpoint.save", save)
+
+    def save_after_publication(self, save) -> None:
+        """Validation and emergency saves (B23): the rollout sleeps again and the trainer comes back
+        for an exclusive window. A failed save leaves the rollout asleep and re-raises. After a
+        level-2 save the engine's weights are gone: a full weight sync runs before the KV cache wakes."""
+        self.to_trainer()
+        self._do("checkpoint.save", save)  # raises with the rollout asleep
+        self.publish()
+
+    def cleanup(self) -> None:
+        """On an exceptional exit: put the rollout to sleep (idempotent; re-releases weights after a
+        weights-only wake) so finalization can drain. Never raises: the error that brought us here
+        is the one the caller re-raises (B24)."""
+        if not self.enabled:
+            return
+        try:
+            self._do("rollout.sleep", self.engine.sleep, self.level)
+        except Exception as e:  # reported, not raised
+            print(f"minirl: cleanup after an error also failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+class Profile:
+    """`MINIRL_PROFILE_LOOP=1`: phase times and device memory at every phase boundary (B27)."""
+
+    def __init__(self, device: torch.device):
+        self.enabled = os.environ.get("MINIRL_PROFILE_LOOP") == "1"
+        self.device, self.record, self._t = device, {}, time.perf_counter()
+
+    def begin_step(self) -> None:
+        self.record, self._t = {}, time.perf_counter()
+
+    def mark(self, boundary: str) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self.record.setdefault("phases", []).append(boundary)
+        self.record[f"{boundary}/s"] = round(now - self._t, 6)
+        self._t = now
+        if self.device.type == "cuda":
+            self.record[f"{boundary}/allocated_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
+            self.record[f"{boundary}/reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
+        else:
+            self.record[f"{boundary}/rss_mib"] = psutil.Process().memory_info().rss / 2**20
+
+    def take(self) -> dict | None:
+        if not self.enabled:
+            return None
+        out, self.record = self.record, {}
+        return out

@@ -1,0 +1,209 @@
+"""offload.py: the trainer's offload round trip and the colocated hand-off, with an instrumented
+engine that records calls (B20-B26). The same cycle with the real engine: test_checkpoint.py."""
+
+import pytest
+import torch
+
+from conftest import toy_lm
+from minirl import dist
+from minirl.config import RolloutConfig
+from minirl.offload import HandOff, TrainerOffload
+from minirl.rollout import Engine
+
+CYCLE = ["rollout.sleep", "trainer.onload", "rollout.wake_up(weights)", "weight_sync", "trainer.offload",
+         "rollout.wake_up(kv_cache)"]
+
+
+class RecordingEngine(Engine):
+    """The real Engine's sleep/wake state machine without vLLM; every call lands in `log`."""
+
+    def __post_init__(self):
+        self._vllm_sleeps, self.log, self.fail_sleep = False, [], False
+
+    def sleep(self, level=None):
+        if self.fail_sleep:
+            raise RuntimeError("sleep failed")
+        self.log.append(f"sleep:{level}")
+        super().sleep(level)
+
+    def wake_up(self, tags):
+        self.log.append(f"wake:{'+'.join(tags)}")
+        super().wake_up(tags)
+
+    def load_weights(self, named_tensors):
+        assert self.state != "asleep", "weight sync while asleep"
+        n = sum(1 for _ in named_tensors)
+        self._stale = False
+        self.loads += 1
+        self.log.append("load_weights")
+        return n
+
+    def generate(self, *a, **k):
+        if self.state != "awake" or self._stale:
+            raise RuntimeError(f"generate while {self.state}")
+        self.log.append("generate")
+
+
+def trainer(world, seed=0):
+    model = toy_lm(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()  # optimizer state exists
+    model(torch.tensor([[3, 2, 1]])).sum().backward()  # and gradients
+    return model, opt
+
+
+def snapshot(model, opt):
+    out = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+    return out + [v.clone() for s in opt.state.values() for v in s.values()]
+
+
+def test_offload_round_trip_is_bit_exact_and_releases_storage(world):
+    model, opt = trainer(world)
+    before = snapshot(model, opt)
+    off = TrainerOffload(model, opt)
+    off.offload()
+    off.offload()  # idempotent
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(p.grad.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(s["exp_avg"].untyped_storage().nbytes() == 0 for s in opt.state.values())
+    off.onload()
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model, opt)))
+
+
+def test_offload_can_keep_gradients_resident(world):
+    model, opt = trainer(world)
+    off = TrainerOffload(model, opt, keep_grads=True)
+    off.offload()
+    assert all(p.grad.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    off.onload()
+
+
+def test_fsdp2_parameters_round_trip(world, tiny_path):
+    from minirl.models import load_policy
+    model = dist.shard(load_policy(tiny_path), world, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    off = TrainerOffload(model, opt)
+    off.offload()
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in model.parameters())
+    off.onload()
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+
+
+def test_training_through_offloads_matches_training_without(world):
+    a, opt_a = trainer(world)
+    b, opt_b = trainer(world)
+    off = TrainerOffload(b, opt_b)
+    for i in range(3):
+        off.offload()
+        off.onload()
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            m(torch.tensor([[i, 2, 4]])).pow(2).mean().backward()
+            o.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def handoff(world, enabled=True, level=1):
+    model, opt = trainer(world)
+    eng = RecordingEngine("unused", RolloutConfig(sleep_level=level), 32)
+    h = HandOff(eng, TrainerOffload(model, opt), lambda: iter(model.named_parameters()), enabled, level)
+    return h, eng
+
+
+def test_cycle_order(world):
+    h, eng = handoff(world)
+    h.start_fresh()
+    for _ in range(2):
+        eng.generate()
+        h.to_trainer()
+        assert eng.state == "asleep" and not h.trainer.offloaded
+        h.publish()
+        assert eng.state == "awake" and h.trainer.offloaded
+    assert h.events == ["trainer.offload"] + CYCLE * 2
+    assert eng.log == ["generate", "sleep:1", "wake:weights", "load_weights", "wake:kv_cache"] * 2
+
+
+def test_scheduled_save_runs_inside_the_update_window_before_publication(world):
+    h, eng = handoff(world)
+    h.start_fresh()
+    h.to_trainer()
+
+    def save():
+        assert eng.state == "asleep" and not h.trainer.offloaded
+
+    h.save_in_update_window(save)
+    h.publish()
+    assert eng.loads == 1  # the step publishes once
+    assert h.events[-7:] == CYCLE[:2] + ["checkpoint.save"] + CYCLE[2:]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_validation_save_after_publication_sleeps_rollout_and_resyncs(world, level):
+    h, eng = handoff(world, level=level)
+    h.start_fresh()
+    h.to_trainer()
+    h.publish()
+    eng.generate()  # validation
+    h.save_after_publication(lambda: None)
+    assert h.events[-7:] == CYCLE[:2] + ["checkpoint.save"] + CYCLE[2:]
+    assert eng.log[-4:] == ["sleep:%d" % level, "wake:weights", "load_weights", "wake:kv_cache"]
+    eng.generate()  # level 2: only possible because the full sync ran before the KV cache woke
+
+
+def test_failed_save_leaves_rollout_asleep(world):
+    h, eng = handoff(world)
+    h.start_fresh()
+    h.to_trainer()
+    h.publish()
+
+    def bad_save():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        h.save_after_publication(bad_save)
+    assert eng.state == "asleep"
+    h.cleanup()  # idempotent
+    assert eng.state == "asleep"
+
+
+def test_sleep_after_weights_only_wake_releases_weights_again(world):
+    h, eng = handoff(world)
+    h.to_trainer()
+    eng.wake_up(["weights"])
+    h.cleanup()
+    assert eng.state == "asleep" and eng.log[-1] == "sleep:1"
+
+
+def test_original_error_survives_a_failing_cleanup(world, capsys):
+    h, eng = handoff(world)
+    eng.fail_sleep = True
+    with pytest.raises(ValueError, match="training broke"):
+        try:
+            raise ValueError("training broke")
+        except BaseException:
+            h.cleanup()
+            raise
+    assert "cleanup after an error also failed" in capsys.readouterr().err
+
+
+def test_resume_sleeps_engine_before_restore_and_publishes_first(world):
+    h, eng = handoff(world)
+    h.before_restore()
+    assert eng.state == "asleep"  # the checkpoint loads here
+    h.publish()
+    eng.generate()
+    assert h.events == ["rollout.sleep", *CYCLE[2:]]
+    assert eng.log == ["sleep:1", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
+
+
+def test_colocated_offload_false_only_syncs(world):
+    h, eng = handoff(world, enabled=False)
+    h.start_fresh()
+    h.to_trainer()
+    h.publish()
+    assert h.events == ["weight_sync"] and not h.trainer.offloaded
+    assert eng.log == ["load_weights"]
