@@ -32,8 +32,10 @@ MAXIMA = ("_max",)                     # metric suffixes reduced by max
 
 
 class Accumulator:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, n_micro: int,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, n_micro: int | None,
                  max_grad_norm: float = 0.0, scheduler=None):
+        """n_micro=None opens a window of unknown length (PPO streaming: the chunk count is decided
+        by the sampler at run time); the caller closes it with `finish()`."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.n_micro, self.max_grad_norm = n_micro, max_grad_norm
         self.calls = 0          # calls so far in the current window
@@ -41,9 +43,12 @@ class Accumulator:
         self.to_discard = 0     # remaining calls of a poisoned window
         self.steps = 0          # optimizer steps taken
         self.skipped = 0        # windows abandoned for a non-finite loss or gradient
+        self.poisoned = False   # an open window hit a non-finite loss: drop calls until finish()
 
     def discarding(self) -> bool:
         """True (and consumes one) while the rest of a poisoned window is being dropped; skip the call."""
+        if self.poisoned:
+            return True
         if self.to_discard:
             self.to_discard -= 1
             return True
@@ -53,9 +58,9 @@ class Accumulator:
         """Backpropagate one call; step on the window's last. Returns step metrics when it stepped."""
         bad = torch.tensor(0.0 if torch.isfinite(loss.detach()).all() else 1.0)
         if dist.all_reduce(bad, "max").item():
-            remaining = self.n_micro - self.calls - 1
+            remaining = self.n_micro - self.calls - 1 if self.n_micro else 0
             self._reset()
-            self.to_discard = remaining
+            self.to_discard, self.poisoned = remaining, self.n_micro is None
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
         if self.n_micro == 1:
@@ -64,8 +69,15 @@ class Accumulator:
         (loss * float(divisor)).backward()
         self.denom += float(divisor)
         self.calls += 1
-        if self.calls < self.n_micro:
+        if self.n_micro is None or self.calls < self.n_micro:
             return None
+        return self.finish()
+
+    def finish(self) -> dict:
+        """Close the window: scale by 1 / max(sum of divisors, 1), then clip, then step (B8, B9)."""
+        if self.poisoned:  # already counted when the window was poisoned
+            self.poisoned = False
+            return {}
         scale = 1.0 / max(self.denom, 1.0)
         with torch.no_grad():
             for p in self.model.parameters():

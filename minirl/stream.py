@@ -1,0 +1,165 @@
+"""train_pump: one PPO step consumed as streamed chunks of completed groups (spec/ppo-streaming.md
+"Update lifecycle"). The disaggregated entrypoint feeds it; this module owns the order of work.
+
+Per chunk (`TrainPump.chunk`, S5): value forward with the UNCHANGED critic (kept as each sample's
+old value for every critic epoch, S6) -> policy (and reference) forward -> GAE -> policy
+backward into an open accumulator window. Neither model steps between chunks. While the value
+model runs, the policy's parameters and optimizer state are offloaded and its accumulated
+gradients stay resident (S7); the value model is prepared before the caller waits for the next
+chunk and stays resident across empty selections (S12).
+
+`TrainPump.close` (S8-S11, S14, S15): fail before either update if the whole step was masked;
+scale the policy gradient once by the whole step's valid-token count, clip, take ONE policy
+optimizer (and scheduler) step; refit the rollout; then train the critic for
+`critic_ppo_epochs` on the assembled batch with the frozen returns. During critic warmup the
+policy backward, step and refit are skipped. The caller releases the consumed groups and
+advances its step counter after `close` returns, and takes no checkpoint in between.
+
+With `normalize_advantages`, advantages are whitened within each chunk (S19): under streaming
+the chunk is all there is when its backward runs. Critic returns are unaffected, and the policy
+loss divisor is still the whole step's count.
+
+Shapes: a chunk is a dict of (B_c, T) tensors `input_ids`, `mask`, `rewards` (the sequence
+reward on its last completion token) and optional `rollout_logp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minirl.accumulator import Accumulator, roll_up
+from minirl.gae import compute_gae, masked_whiten
+from minirl.models import token_logprobs
+from minirl.objective import policy_loss, value_loss
+from minirl.offload import TrainerOffload
+
+
+@dataclass
+class PumpConfig:
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    normalize_advantages: bool = True
+    critic_ppo_epochs: int = 1
+    critic_micro_rows: int = 0       # rows per critic forward/backward; 0 = the whole batch
+    critic_warmup: bool = False      # this step only trains the critic (S14)
+    offload: bool = True             # switch residency between policy and value (S7, S12)
+
+
+@dataclass
+class TrainPump:
+    policy: torch.nn.Module
+    value: torch.nn.Module
+    policy_acc: Accumulator          # opened with n_micro=None: one window for the whole step
+    value_opt: torch.optim.Optimizer
+    cfg: PumpConfig
+    step: int
+    refit: object = None             # callable: publish the stepped policy to the rollout ranks (S9)
+    ref: torch.nn.Module | None = None
+    log: object = print
+    policy_off: TrainerOffload | None = None
+    value_off: TrainerOffload | None = None
+    chunks: list[dict] = field(default_factory=list)   # the assembled batch, with old values and returns
+    calls: list[dict] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.cfg.offload:
+            self.policy_off = TrainerOffload(self.policy, self.policy_acc.optimizer, keep_grads=True)
+            self.value_off = TrainerOffload(self.value, self.value_opt)
+        self.prepare_value()
+
+    # ---- residency ----
+    def prepare_value(self) -> None:
+        """Value model resident, policy parameters and optimizer state on the host, gradients kept."""
+        if self.cfg.offload:
+            self.policy_off.offload()
+            self.value_off.onload()
+        self.events.append("value.ready")
+
+    def _policy_resident(self) -> None:
+        if self.cfg.offload:
+            self.value_off.offload()
+            self.policy_off.onload()
+        self.events.append("policy.ready")
+
+    # ---- per chunk ----
+    def chunk(self, c: dict) -> None:
+        ids, mask = c["input_ids"], c["mask"]
+        k = len(self.chunks)
+        with torch.no_grad():
+            self.events.append("value.forward")
+            old_values = self.value(ids) * mask                                   # (B_c, T), frozen (S6)
+        self._policy_resident()
+        self.events.append("policy.forward")
+        logp = token_logprobs(self.policy, ids)
+        ref_logp = None
+        if self.ref is not None and self.cfg.kl_coef:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self.ref, ids)
+        adv, returns = compute_gae(c["rewards"], old_values, mask, self.cfg.gamma, self.cfg.lam)
+        if self.cfg.normalize_advantages:
+            adv = masked_whiten(adv, mask)                                       # per chunk (S19)
+        self.chunks.append({**c, "old_values": old_values, "returns": returns})
+        if not self.cfg.critic_warmup:
+            old = c.get("rollout_logp", logp.detach())  # ppo_epochs == 1: pi_old is the sampler
+            loss, divisor, m = policy_loss(logp, old, adv, mask, self.cfg.clip_eps, ref_logp, self.cfg.kl_coef,
+                                           prefix="ppo")
+            self.events.append("policy.backward")
+            self.policy_acc.backward(loss, divisor)  # accumulates; no optimizer step between chunks (S5)
+            self.calls.append(m)
+        self.log(f"train_pump: step {self.step} chunk {k} groups={c.get('groups', '?')} rows={ids.shape[0]} "
+                 f"tokens={int(mask.sum())}")
+        self.prepare_value()  # before the caller waits for the next chunk (S12)
+
+    # ---- close the step ----
+    def close(self) -> dict:
+        total_tokens = sum(float(c["mask"].sum()) for c in self.chunks)
+        if total_tokens == 0:
+            raise RuntimeError(f"train_pump: step {self.step}: every completion token is masked; "
+                               "refusing both updates (S15)")
+        out: dict = {}
+        if not self.cfg.critic_warmup:
+            self._policy_resident()
+            self.events.append("policy.step")
+            out.update(self.policy_acc.finish())  # scale by the whole step's count, clip, one step (S8)
+            if self.refit is not None:
+                self.events.append("refit")
+                self.refit()                      # before critic training (S9)
+            self.prepare_value()
+        out.update(self._train_critic())
+        self.log(f"train_pump: step {self.step} closing on {len(self.chunks)} chunk(s)")
+        return {**roll_up(self.calls), **out, "ppo_chunks": float(len(self.chunks))}
+
+    def _train_critic(self) -> dict:
+        """critic_ppo_epochs passes over the assembled batch against the frozen returns (S10)."""
+        rows = [(c, i) for c in self.chunks for i in range(c["input_ids"].shape[0])]
+        size = self.cfg.critic_micro_rows or len(rows)
+        acc = Accumulator(self.value, self.value_opt, n_micro=None)
+        calls, samples = [], 0
+        for _ in range(self.cfg.critic_ppo_epochs):
+            self.events.append("critic.epoch")
+            for start in range(0, len(rows), size):
+                part = rows[start:start + size]
+                b = _stack(part, ("input_ids", "mask", "old_values", "returns"))
+                v = self.value(b["input_ids"])
+                loss, divisor, m = value_loss(v, b["old_values"], b["returns"], b["mask"], self.cfg.value_clip_eps)
+                acc.backward(loss, divisor)
+                calls.append(m)
+                samples += len(part)
+            acc.finish()
+        return {**roll_up(calls), "value_samples_per_epoch": samples / self.cfg.critic_ppo_epochs}
+
+
+def _stack(rows, keys) -> dict[str, torch.Tensor]:
+    """Rows from different chunks (each padded to its own length) -> one right-padded batch."""
+    T = max(c["input_ids"].shape[1] for c, _ in rows)
+    out = {}
+    for k in keys:
+        parts = [torch.nn.functional.pad(c[k][i], (0, T - c[k].shape[1])) for c, i in rows]
+        out[k] = torch.stack(parts)
+    return out

@@ -1,0 +1,157 @@
+"""stream.py: the streamed PPO update lifecycle on the real tiny model (S5-S10, S12, S14, S15, S19, S22)."""
+
+import copy
+
+import pytest
+import torch
+
+from minirl.accumulator import Accumulator
+from minirl.models import load_policy, load_value
+from minirl.stream import PumpConfig, TrainPump
+
+
+class RecordingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        self.seen = [p.grad.detach().clone() for p in self.param_groups[0]["params"]]
+        return super().step(closure)
+
+
+def make_chunk(seed, rows, lengths, masked=False):
+    g = torch.Generator().manual_seed(seed)
+    T = 3 + max(lengths)
+    ids = torch.randint(3, 40, (rows, T), generator=g)
+    mask = torch.zeros(rows, T)
+    rewards = torch.zeros(rows, T)
+    for i in range(rows):
+        n = lengths[i % len(lengths)]
+        if not masked:
+            mask[i, 3:3 + n] = 1.0
+        rewards[i, 3 + n - 1] = float(torch.randint(0, 2, (1,), generator=g))
+    return {"input_ids": ids, "mask": mask, "rewards": rewards, "groups": rows // 2}
+
+
+def merged(chunks):
+    T = max(c["input_ids"].shape[1] for c in chunks)
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1]))  # noqa: E731
+    return {k: torch.cat([pad(c[k]) for c in chunks]) for k in ("input_ids", "mask", "rewards")}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_path):
+    return load_policy(tiny_path), load_value(tiny_path)
+
+
+def pump(models, cfg, refit=None, log=None):
+    policy, value = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+    with torch.no_grad():  # a critic that predicts something, so GAE and clipping are not trivial
+        value.score.weight.copy_(0.1 * torch.randn(value.score.weight.shape, generator=torch.Generator().manual_seed(0)))
+    acc = Accumulator(policy, RecordingSGD(policy.parameters(), lr=0.1), n_micro=None)
+    lines = [] if log is None else log
+    return TrainPump(policy, value, acc, RecordingSGD(value.parameters(), lr=0.1), cfg, step=3, refit=refit,
+                     log=lines.append)
+
+
+CHUNKS = [(1, 4, [1, 7]), (2, 6, [3, 2, 9]), (3, 2, [5])]
+
+
+def run(models, chunks, **cfg):
+    p = pump(models, PumpConfig(**cfg))
+    for c in chunks:
+        p.chunk(c)
+    return p, p.close()
+
+
+def test_streamed_policy_gradient_equals_full_batch_without_normalization(models, world):
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    streamed, ms = run(models, chunks, normalize_advantages=False)
+    full, mf = run(models, [merged(chunks)], normalize_advantages=False)
+    g_s, g_f = streamed.policy_acc.optimizer.seen, full.policy_acc.optimizer.seen
+    scale = max(g.abs().max().item() for g in g_f)
+    assert max((a - b).abs().max().item() for a, b in zip(g_s, g_f)) <= 1e-6 * scale
+    assert ms["ppo_chunks"] == 3 and mf["ppo_chunks"] == 1
+
+
+def test_per_chunk_normalization_changes_the_policy_gradient_but_not_critic_returns(models, world):
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    on, _ = run(models, chunks, normalize_advantages=True)
+    full, _ = run(models, [merged(chunks)], normalize_advantages=True)
+    diff = max((a - b).abs().max().item() for a, b in zip(on.policy_acc.optimizer.seen, full.policy_acc.optimizer.seen))
+    assert diff > 1e-6
+    off, _ = run(models, chunks, normalize_advantages=False)
+    assert all(torch.equal(a["returns"], b["returns"]) for a, b in zip(on.chunks, off.chunks))
+
+
+def test_both_modes_train_the_critic_on_every_sample_each_epoch(models, world):
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    for batch in (chunks, [merged(chunks)]):
+        _, m = run(models, batch, critic_ppo_epochs=3, critic_micro_rows=5)
+        assert m["value_samples_per_epoch"] == 12
+
+
+def test_order_of_work_per_chunk_and_at_close(models, world):
+    refits = []
+    p = pump(models, PumpConfig(critic_ppo_epochs=2), refit=lambda: refits.append(p.events[-1]))
+    for c in CHUNKS[:2]:
+        p.chunk(make_chunk(*c))
+    p.close()
+    per_chunk = ["value.forward", "policy.ready", "policy.forward", "policy.backward", "value.ready"]
+    assert p.events == ["value.ready", *per_chunk, *per_chunk,
+                        "policy.ready", "policy.step", "refit", "value.ready", "critic.epoch", "critic.epoch"]
+    assert p.policy_acc.steps == 1 and refits == ["refit"]
+
+
+def test_policy_gradients_stay_resident_while_its_parameters_are_offloaded(models, world):
+    p = pump(models, PumpConfig())
+    p.chunk(make_chunk(*CHUNKS[0]))
+    assert all(q.untyped_storage().nbytes() == 0 for q in p.policy.parameters())
+    assert any(q.grad is not None and q.grad.untyped_storage().nbytes() > 0 for q in p.policy.parameters())
+    assert all(q.untyped_storage().nbytes() > 0 for q in p.value.parameters())  # value model ready (S12)
+    p.close()
+
+
+def test_old_values_come_from_the_unchanged_critic_and_stay_frozen(models, world):
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    p = pump(models, PumpConfig(critic_ppo_epochs=3))
+    critic_before = copy.deepcopy(p.value)
+    p.policy_off.onload()
+    for c in chunks:
+        p.chunk(c)
+    p.close()
+    with torch.no_grad():
+        for c in p.chunks:
+            assert torch.equal(c["old_values"], critic_before(c["input_ids"]) * c["mask"])
+    assert any((a - b).abs().max() > 0 for a, b in zip(critic_before.parameters(), p.value.parameters()))
+
+
+def test_critic_warmup_skips_policy_backward_step_and_refit(models, world):
+    refits = []
+    p = pump(models, PumpConfig(critic_warmup=True), refit=lambda: refits.append(1))
+    before = [q.detach().clone() for q in models[0].parameters()]
+    p.chunk(make_chunk(*CHUNKS[0]))
+    p.close()
+    p.policy_off.onload()
+    assert "policy.backward" not in p.events and "policy.step" not in p.events and not refits
+    assert all(torch.equal(a, b) for a, b in zip(before, p.policy.parameters()))
+
+
+def test_masked_chunk_adds_no_gradient_and_a_fully_masked_step_fails_first(models, world):
+    a, _ = run(models, [make_chunk(*CHUNKS[0])], normalize_advantages=False)
+    b, _ = run(models, [make_chunk(*CHUNKS[0]), make_chunk(9, 4, [3], masked=True)], normalize_advantages=False)
+    assert all(torch.equal(x, y) for x, y in zip(a.policy_acc.optimizer.seen, b.policy_acc.optimizer.seen))
+    p = pump(models, PumpConfig())
+    p.chunk(make_chunk(9, 4, [3], masked=True))
+    value_before = [q.detach().clone() for q in p.value.parameters()]
+    with pytest.raises(RuntimeError, match="masked"):
+        p.close()
+    assert p.policy_acc.steps == 0
+    assert all(torch.equal(x, y) for x, y in zip(value_before, p.value.parameters()))
+
+
+def test_train_pump_logs_show_the_chunking(models, world):
+    lines = []
+    p = pump(models, PumpConfig(), log=lines)
+    for c in CHUNKS:
+        p.chunk(make_chunk(*c))
+    p.close()
+    assert [line.split(" groups")[0] for line in lines[:3]] == [f"train_pump: step 3 chunk {k}" for k in range(3)]
+    assert lines[-1] == "train_pump: step 3 closing on 3 chunk(s)"
