@@ -86,6 +86,7 @@ def save(ckpt_dir: str, steps_done: int, model, optimizer, loop_state: dict, kee
             f.write(f"{steps_done}\n")
             f.flush()
             os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)  # re-saving a step after resuming from an older checkpoint
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
         complete = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))

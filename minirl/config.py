@@ -139,7 +139,7 @@ class CheckpointConfig:
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: str = ""
-    """`` = fresh run; `auto` = the newest complete checkpoint in --checkpoint.dir (fresh if none); or a checkpoint folder."""
+    """Empty = a fresh run; `auto` = the newest complete checkpoint in --checkpoint.dir (fresh if none); or a checkpoint folder."""
     dir: str = ""
     """Where checkpoints go (default: <run dir>/checkpoints)."""
 
@@ -264,3 +264,106 @@ class GRPOArgs:
 def _positive(flag: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{flag}={value} must be > 0")
+
+
+# ---- PPO with a critic, streamed (spec/ppo-streaming.md) ----
+
+@dataclass
+class AdvEstimatorConfig:
+    normalize_advantages: bool = True
+    """Whiten advantages; under streaming this happens within each chunk (a warning says so at start-up)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+
+
+@dataclass
+class PPOConfig:
+    num_prompts_per_step: int = 16
+    """Prompt groups per step (P)."""
+    num_generations_per_prompt: int = 4
+    """Samples per prompt (G); the critic trains on P x G samples per epoch."""
+    ppo_epochs: int = 1
+    """Policy epochs per step; streaming requires 1."""
+    critic_ppo_epochs: int = 1
+    """Critic epochs per step, each over the whole assembled batch."""
+    critic_warmup_steps: int = 0
+    """First steps that train only the critic (no policy update, no refit)."""
+    lr: float = 1e-4
+    """Policy AdamW learning rate."""
+    value_lr: float = 1e-4
+    """Critic AdamW learning rate."""
+    clip_eps: float = 0.2
+    """PPO ratio clip and value clip."""
+    max_grad_norm: float = 1.0
+    """Clip each model's gradient norm after normalization (0 = no clip)."""
+    adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
+
+
+@dataclass
+class SamplerConfig:
+    name: str = "in_order"
+    """in_order: take ready groups in issue order; ready_first: take any ready group."""
+    max_lookahead_versions: int = 1
+    """A group sampled by policy version v is used at step s only if s - v <= this."""
+
+
+@dataclass
+class AsyncRLConfig:
+    min_groups_for_streaming_train: int = 4
+    """Ready groups needed before a chunk trains; equal to --ppo.num-prompts-per-step = full batch."""
+    rollout_groups_per_call: int = 2
+    """Groups a rollout rank submits to vLLM at once (smaller = groups complete in more waves)."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+
+@dataclass
+class PPOArgs:
+    """PPO with a critic; the train ranks start on completed groups while the rest still generate."""
+
+    steps: int = 20
+    """Policy steps to run."""
+    seed: int = 0
+    """Base seed: data order and per-request sampling seeds derive from it."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
+    grid: GridConfig = field(default_factory=lambda: GridConfig(gpu_placement="disaggregated", rollout_ranks=1))
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def streaming(self) -> bool:
+        return self.async_rl.min_groups_for_streaming_train < self.ppo.num_prompts_per_step
+
+    def validate(self, world_size: int) -> "PPOArgs":
+        p, a = self.ppo, self.async_rl
+        _positive("--steps", self.steps)
+        _positive("--ppo.num-prompts-per-step", p.num_prompts_per_step)
+        _positive("--ppo.num-generations-per-prompt", p.num_generations_per_prompt)
+        _positive("--ppo.critic-ppo-epochs", p.critic_ppo_epochs)
+        if not 1 <= a.min_groups_for_streaming_train <= p.num_prompts_per_step:
+            raise ConfigError(f"--async-rl.min-groups-for-streaming-train={a.min_groups_for_streaming_train} must be "
+                              f"in [1, --ppo.num-prompts-per-step={p.num_prompts_per_step}]")
+        if a.sampler.name not in ("in_order", "ready_first"):
+            raise ConfigError(f"--async-rl.sampler.name={a.sampler.name!r}: use in_order or ready_first")
+        if p.ppo_epochs != 1:
+            raise ConfigError(f"--ppo.ppo-epochs={p.ppo_epochs}: streaming requires 1 (full-batch PPO with several "
+                              "policy epochs is not implemented yet)")
+        if self.grid.gpu_placement != "disaggregated" or not 0 < self.grid.rollout_ranks < world_size:
+            raise ConfigError(f"PPO streaming needs separate generation ranks: --grid.gpu-placement disaggregated and "
+                              f"--grid.rollout-ranks in [1, {world_size - 1}] (this launch has {world_size} rank(s); "
+                              "start it with torchrun --nproc-per-node 2 or more)")
+        dp = world_size - self.grid.rollout_ranks
+        if p.num_prompts_per_step % dp:
+            raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "
+                              f"{dp} train rank(s)")
+        if a.rollout_groups_per_call < 1 or a.sampler.max_lookahead_versions < 0:
+            raise ConfigError("--async-rl.rollout-groups-per-call must be >= 1 and "
+                              "--async-rl.sampler.max-lookahead-versions >= 0")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

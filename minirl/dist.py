@@ -16,6 +16,7 @@ module for the rank, the device and the collectives and never which backend it r
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import random
 import socket
@@ -161,7 +162,9 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
     g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     roles = Roles(g_rank, g_world, rollout_ranks)
     addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True)
+    # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
+    store = dist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
+                          timeout=datetime.timedelta(minutes=30))
     if not roles.trains:
         return roles, None, store
     t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks

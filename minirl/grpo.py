@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start)
     log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
              f"n_micro={'by token budget' if args.rl.max_tokens_per_micro_batch else args.n_micro}")
+    log.info("config: " + json.dumps(args.to_dict(), separators=(",", ":")))
     if world.is_main:
         with open(os.path.join(args.log.run_dir, "config.json"), "w") as f:
             json.dump(args.to_dict(), f, indent=2)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
                     handoff.save_in_update_window(save)  # B22: before publication, one publish per step
 
             # ---- publish: wake the weights, sync, offload the trainer, wake the KV cache (B20) ----
-            with log.phase("weight_sync"):
+            with log.phase("publish"):
                 handoff.publish()
 
             # ---- report once per collected batch (B4) ----
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
                     record["eval_accuracy"] = evaluate(engine, task, tok, world, args.rollout.max_prompt_tokens)
                 profile.mark("eval")
             terminate = stop()
-            if (saves and evaluates) or terminate:
+            if (saves and evaluates) or (terminate and not saves):  # saved in the update window already
                 with log.phase("checkpoint"):
                     handoff.save_after_publication(save)  # B23: validation and emergency saves
             record["time/step"] = time.perf_counter() - t_step

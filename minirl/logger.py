@@ -57,8 +57,9 @@ class RunLog:
             self._file.close()
 
 
-SHOWN = [("reward_mean", "reward"), ("eval_accuracy", "eval_acc"), ("grpo_loss", "loss"),
-         ("grpo_kl", "kl"), ("grpo_clipfrac", "clip"), ("grad_norm", "gnorm"),
+SHOWN = [("reward_mean", "reward"), ("eval_accuracy", "eval_acc"), ("grpo_loss", "loss"), ("ppo_loss", "loss"),
+         ("value_loss", "vloss"), ("ppo_chunks", "chunks"), ("grpo_kl", "kl"), ("grpo_clipfrac", "clip"),
+         ("ppo_clipfrac", "clip"), ("grad_norm", "gnorm"),
          ("time/step", "s"), ("tokens_per_s", "tok/s")]
 
 

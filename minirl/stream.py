@@ -68,7 +68,9 @@ class TrainPump:
     events: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.cfg.offload:
+        # A run creates the offloaders once and hands them to every step's pump: the host copies
+        # of whatever the previous step left offloaded live in them.
+        if self.cfg.offload and self.policy_off is None:
             self.policy_off = TrainerOffload(self.policy, self.policy_acc.optimizer, keep_grads=True)
             self.value_off = TrainerOffload(self.value, self.value_opt)
         self.prepare_value()
@@ -152,7 +154,7 @@ class TrainPump:
                 calls.append(m)
                 samples += len(part)
             acc.finish()
-        return {**roll_up(calls), "value_samples_per_epoch": samples / self.cfg.critic_ppo_epochs}
+        return {**roll_up(calls), "value_epoch_n": samples / self.cfg.critic_ppo_epochs}
 
 
 def _stack(rows, keys) -> dict[str, torch.Tensor]:

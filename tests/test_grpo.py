@@ -32,7 +32,7 @@ def test_single_process_run_logs_every_step_and_exports_hf(one_rank):
     assert [r["step"] for r in recs] == [0, 1, 2]
     for r in recs:
         assert 0.0 <= r["reward_mean"] <= 1.0
-        for key in ("grpo_loss", "grpo_denom", "grpo_clipfrac", "time/generate", "time/train", "time/weight_sync"):
+        for key in ("grpo_loss", "grpo_denom", "grpo_clipfrac", "time/generate", "time/train", "time/publish"):
             assert key in r, key
     assert "eval_accuracy" in recs[0] and "eval_accuracy" in recs[2]
     assert "reward" in p.stdout and "step    2" in p.stdout
@@ -109,10 +109,11 @@ def test_chunked_equivalence_micro_batched_run_matches(seeded_pair):
 
 
 def test_minibatches_step_several_times_but_sync_once_per_batch(tmp_path):
+    """n_mini = 4 and two inner epochs (X2): eight optimizer steps per collected batch, one weight sync."""
     p = run([sys.executable, "-m", "minirl.grpo", "--steps", "2", "--log.eval-every", "0",
              "--rl.batch-per-replica", "16", "--rl.group-size", "4", "--rl.mini-batch-per-replica", "4",
-             "--log.run-dir", str(tmp_path)])
+             "--rl.mu-iterations", "2", "--log.run-dir", str(tmp_path)])
     assert p.returncode == 0
     recs = records(tmp_path)
-    assert [r["optimizer_steps"] for r in recs] == [4, 8]
+    assert [r["optimizer_steps"] for r in recs] == [8, 16]
     assert [r["weight_syncs"] for r in recs] == [1, 1]

@@ -207,3 +207,22 @@ def test_colocated_offload_false_only_syncs(world):
     h.publish()
     assert h.events == ["weight_sync"] and not h.trainer.offloaded
     assert eng.log == ["load_weights"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
+def test_offload_frees_device_memory_and_onload_restores_it():
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    opt.step()
+    before = [t.clone().cpu() for t in snapshot(model, opt)]
+    held = torch.cuda.memory_allocated()
+    off = TrainerOffload(model, opt)
+    off.offload()
+    freed = held - torch.cuda.memory_allocated()
+    print(f"offload freed {freed / 2**20:.0f} MiB of {held / 2**20:.0f} MiB")
+    assert freed >= 4 * 4096 * 4096 * 4 * 0.99  # params, grads, exp_avg, exp_avg_sq
+    off.onload()
+    assert torch.cuda.memory_allocated() >= held - 2**20
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(before, snapshot(model, opt)))

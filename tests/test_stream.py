@@ -85,7 +85,7 @@ def test_both_modes_train_the_critic_on_every_sample_each_epoch(models, world):
     chunks = [make_chunk(*c) for c in CHUNKS]
     for batch in (chunks, [merged(chunks)]):
         _, m = run(models, batch, critic_ppo_epochs=3, critic_micro_rows=5)
-        assert m["value_samples_per_epoch"] == 12
+        assert m["value_epoch_n"] == 12
 
 
 def test_order_of_work_per_chunk_and_at_close(models, world):
@@ -155,3 +155,15 @@ def test_train_pump_logs_show_the_chunking(models, world):
     p.close()
     assert [line.split(" groups")[0] for line in lines[:3]] == [f"train_pump: step 3 chunk {k}" for k in range(3)]
     assert lines[-1] == "train_pump: step 3 closing on 3 chunk(s)"
+
+
+def test_consecutive_steps_share_the_offload_state(models, world):
+    """A run hands the same offloaders to every step's pump: what step 1 offloaded, step 2 can restore."""
+    p1 = pump(models, PumpConfig())
+    p1.chunk(make_chunk(*CHUNKS[0]))
+    p1.close()
+    p2 = TrainPump(p1.policy, p1.value, Accumulator(p1.policy, p1.policy_acc.optimizer, n_micro=None), p1.value_opt,
+                   PumpConfig(), step=4, log=lambda _: None, policy_off=p1.policy_off, value_off=p1.value_off)
+    p2.chunk(make_chunk(*CHUNKS[1]))
+    out = p2.close()
+    assert p2.policy_acc.steps == 1 and out["grad_norm"] > 0
