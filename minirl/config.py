@@ -222,8 +222,11 @@ class GRPOArgs:
             raise ConfigError(
                 f"--rl.micro-batch-per-replica={rl.micro_batch_per_replica} must divide the mini-batch "
                 f"({self.mini_batch}) exactly (a ragged last micro-batch changes its token mean)")
+        if self.grid.gpu_placement == "disaggregated":
+            raise ConfigError("GRPO runs colocated: use --grid.gpu-placement colocated "
+                              "(disaggregated placement is for PPO streaming, minirl.ppo)")
         # DP shares: every level must split evenly over the data-parallel ranks, in whole groups.
-        dp = self.dp_size(world_size)
+        dp = world_size
         if rl.batch_per_replica % (dp * rl.group_size):
             raise ConfigError(
                 f"--rl.batch-per-replica={rl.batch_per_replica} must split into whole groups of "
@@ -232,13 +235,6 @@ class GRPOArgs:
             raise ConfigError(
                 f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
                 "change --rl.micro-batch-per-replica")
-        if self.grid.gpu_placement == "disaggregated" and not 0 < self.grid.rollout_ranks < world_size:
-            raise ConfigError(
-                f"--grid.rollout-ranks={self.grid.rollout_ranks} must be in [1, {world_size - 1}] under "
-                f"--grid.gpu-placement disaggregated with {world_size} rank(s)")
-        if self.grid.gpu_placement == "disaggregated":
-            raise ConfigError("GRPO runs colocated: use --grid.gpu-placement colocated "
-                              "(disaggregated placement is for PPO streaming, minirl.ppo)")
         if not 0.0 < self.rollout.temperature:
             raise ConfigError(f"--rollout.temperature={self.rollout.temperature} must be > 0")
         if self.task.name == "jsonl" and not os.path.isfile(self.task.path):
@@ -251,11 +247,6 @@ class GRPOArgs:
             raise ConfigError(f"--checkpoint.resume={self.checkpoint.resume!r} is not a folder; "
                               "give a checkpoint folder, `auto`, or leave it empty")
         return self
-
-    def dp_size(self, world_size: int) -> int:
-        if self.grid.gpu_placement == "disaggregated":
-            return world_size - self.grid.rollout_ranks
-        return world_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

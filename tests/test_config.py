@@ -54,3 +54,10 @@ def test_unknown_flag_is_rejected(capsys):
     with pytest.raises(SystemExit):
         tyro.cli(GRPOArgs, args=["--rl.no-such-flag", "3"])
     assert "no-such-flag" in capsys.readouterr().err
+
+
+def test_grpo_refuses_disaggregated_placement():
+    a = args()
+    a.grid.gpu_placement, a.grid.rollout_ranks = "disaggregated", 1
+    with pytest.raises(ConfigError, match="--grid.gpu-placement colocated"):
+        a.validate(2)

@@ -4,7 +4,7 @@ engine that records calls (B20-B26). The same cycle with the real engine: test_c
 import pytest
 import torch
 
-from conftest import toy_lm
+from conftest import cuda, toy_lm
 from minirl import dist
 from minirl.config import RolloutConfig
 from minirl.offload import HandOff, TrainerOffload
@@ -210,7 +210,7 @@ def test_colocated_offload_false_only_syncs(world):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
+@cuda
 def test_offload_frees_device_memory_and_onload_restores_it():
     model = torch.nn.Linear(4096, 4096, device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
