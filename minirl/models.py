@@ -123,8 +123,12 @@ def load_reference(path: str, dtype: str = "float32") -> nn.Module:
 
 
 class ValueModel(nn.Module):
-    """The policy's backbone with a scalar head per token: (B, T) -> values (B, T).
+    """The policy's backbone with a scalar head per token: (B, T) ids -> values (B, T).
 
+    Column t is V of the prefix BEFORE token t, the state in which token t was chosen, so it
+    lines up with `token_logprobs` column t (the action). Reading the head at position t itself
+    would let the baseline see the action it judges (for the last token it would already
+    predict the reward, and the advantage of the deciding token would vanish). Column 0 is 0.
     Attribute `model` is the backbone so FSDP wrapping (dist.shard) finds its decoder blocks.
     The head starts at zero: the critic's first predictions are 0, not noise.
     """
@@ -138,7 +142,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
-        return self.score(hidden).squeeze(-1).float()               # (B, T)
+        v = self.score(hidden).squeeze(-1).float()                  # (B, T): V after each token
+        return torch.nn.functional.pad(v[:, :-1], (1, 0))           # (B, T): V before each token
 
 
 def load_value(path: str, dtype: str = "float32") -> ValueModel:

@@ -167,3 +167,16 @@ def test_consecutive_steps_share_the_offload_state(models, world):
     p2.chunk(make_chunk(*CHUNKS[1]))
     out = p2.close()
     assert p2.policy_acc.steps == 1 and out["grad_norm"] > 0
+
+
+def test_value_of_a_token_never_sees_that_token(models, world):
+    """Column t is V(prefix before token t): changing token t leaves columns <= t alone."""
+    value = copy.deepcopy(models[1])
+    with torch.no_grad():
+        value.score.weight.copy_(torch.randn(value.score.weight.shape, generator=torch.Generator().manual_seed(1)))
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        other = ids.clone()
+        other[0, 3] = 20
+        a, b = value(ids), value(other)
+    assert torch.equal(a[:, :4], b[:, :4]) and not torch.equal(a[:, 4:], b[:, 4:])
+    assert a[0, 0] == 0
