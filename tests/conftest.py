@@ -46,6 +46,15 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> sub
                 script, *args], timeout=timeout)
 
 
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the (full, for FSDP2) gradients of its last step in `seen`."""
+
+    def step(self, closure=None):
+        self.seen = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                     for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
 def toy_lm(vocab: int = 11, hidden: int = 16, seed: int = 0) -> torch.nn.Module:
     """A two-layer language model for pure-math tests: ids (B, T) -> logits (B, T, V)."""
     torch.manual_seed(seed)

@@ -8,19 +8,11 @@ import copy
 
 import torch
 
-from conftest import toy_lm, toy_logprobs
+from conftest import RecordingSGD, toy_lm, toy_logprobs
 from minirl.accumulator import Accumulator, roll_up
 from minirl.objective import policy_loss
 
 V = 11
-
-
-class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps a copy of the gradients it stepped on."""
-
-    def step(self, closure=None):
-        self.seen = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
-        return super().step(closure)
 
 
 def make_batch(seed, B=12, T=14):

@@ -5,15 +5,10 @@ import copy
 import pytest
 import torch
 
+from conftest import RecordingSGD
 from minirl.accumulator import Accumulator
 from minirl.models import load_policy, load_value
 from minirl.stream import PumpConfig, TrainPump
-
-
-class RecordingSGD(torch.optim.SGD):
-    def step(self, closure=None):
-        self.seen = [p.grad.detach().clone() for p in self.param_groups[0]["params"]]
-        return super().step(closure)
 
 
 def make_chunk(seed, rows, lengths, masked=False):
