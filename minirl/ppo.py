@@ -74,6 +74,8 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     try:
         for step in range(args.steps):
             version = _catch_up(engine, store, version, need=step - args.async_rl.sampler.max_lookahead_versions)
+            if version is None:
+                return  # the trainer stopped early (--log.target-eval-accuracy)
             if roles.global_rank == 0 and args.log.eval_every and version % args.log.eval_every == 0 \
                     and not store.check([f"eval/{version}"]):
                 store.set(f"eval/{version}", str(_evaluate(engine, task, tok, args.rollout.max_prompt_tokens)))
@@ -90,17 +92,22 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
                     rows = slice(j * G, (j + 1) * G)
                     rewards = [task.reward(t, problems[j].answer) for t in texts[rows]]
                     store.set(f"group/{step}/{i}", _encode_group(s, rows, rewards, version))
-        _catch_up(engine, store, version, need=args.steps)  # the last refit, then the final eval
+        if _catch_up(engine, store, version, need=args.steps) is None:  # the last refit, then the final eval
+            return
         if roles.global_rank == 0 and args.log.eval_every:
             store.set(f"eval/{args.steps}", str(_evaluate(engine, task, tok, args.rollout.max_prompt_tokens)))
     finally:
         engine.close()
 
 
-def _catch_up(engine: Engine, store, version: int, need: int) -> int:
-    """Load every published policy version up to at least `need` (waits for it)."""
+def _catch_up(engine: Engine, store, version: int, need: int) -> int | None:
+    """Load every published policy version up to at least `need` (waits for it); None once the trainer stopped."""
     while version < need or store.check([f"version/{version + 1}"]):
-        store.wait([f"version/{version + 1}"])
+        if not store.check([f"version/{version + 1}"]):
+            if store.check(["stop"]):
+                return None
+            time.sleep(POLL_S)
+            continue
         version += 1
         blob = store.get(f"version/{version}")
         if blob:  # empty during critic warmup: the policy did not change (S14)
@@ -189,9 +196,16 @@ def train_rank(args: PPOArgs, path: str, world: dist.World, store) -> None:
                 record.update(eval_accuracy=float(store.get(f"eval/{next_eval}")), eval_version=next_eval)
                 next_eval += args.log.eval_every
             log.write(record)
-        if world.is_main and args.log.eval_every:
-            store.wait([f"eval/{args.steps}"])
-            log.write({"step": args.steps, "eval_accuracy": float(store.get(f"eval/{args.steps}"))})
+            reached = args.log.target_eval_accuracy and record.get("eval_accuracy", 0.0) >= args.log.target_eval_accuracy
+            if dist.all_reduce(torch.tensor([float(bool(reached))]), "max").item():  # every train rank stops
+                log.info(f"eval_accuracy reached --log.target-eval-accuracy={args.log.target_eval_accuracy}; stopping")
+                break
+        else:
+            if world.is_main and args.log.eval_every:
+                store.wait([f"eval/{args.steps}"])
+                log.write({"step": args.steps, "eval_accuracy": float(store.get(f"eval/{args.steps}"))})
+        if world.is_main:
+            store.set("stop", b"1")  # lets the rollout ranks leave their waits
         offload[1].offload()
         offload[0].onload()
         export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)

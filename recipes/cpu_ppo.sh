@@ -5,7 +5,7 @@
 # `closing on K chunk(s)`. Learning the built-in task with PPO is not tuned yet (see README, Status).
 set -euo pipefail
 if [ -x .venv/bin/torchrun ]; then TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}; else TORCHRUN=${TORCHRUN:-torchrun}; fi
-exec "$TORCHRUN" --standalone --nproc-per-node 2 -m minirl.ppo \
+exec $TORCHRUN --standalone --nproc-per-node 2 -m minirl.ppo \
   --steps 200 \
   --seed 0 \
   --grid.rollout-ranks 1 \
