@@ -37,7 +37,7 @@ from minirl.models import token_logprobs as score
 from minirl.objective import policy_loss
 from minirl.offload import HandOff, Profile, TrainerOffload
 from minirl.rollout import Engine, check_model
-from minirl.tasks import dp_partition, make_task, prompt_id
+from minirl.tasks import dp_partition, encode_prompt, held_out_hits, make_task, prompt_id
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             keys = [(pid, j) for pid in pids for j in range(G)]              # (group_id, id) of all B rows
             mine = sorted({keys[i][0] for i in dp_partition(keys, world.rank, dp)})
             problems = {pid: task.train_problem(pid) for pid in mine}
-            prompts = [_encode(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
+            prompts = [encode_prompt(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
             with log.phase("generate"):
                 samples = engine.generate(prompts, mine, G)
             profile.mark("generate")
@@ -275,24 +275,10 @@ class Probe:
                 "with --rl.mini-batch-per-replica 0 --rl.mu-iterations 1")
 
 
-def _encode(tok, text: str, limit: int) -> list[int]:
-    ids = tok(text, add_special_tokens=False).input_ids
-    if len(ids) > limit:
-        raise ValueError(f"a prompt has {len(ids)} tokens, over --rollout.max-prompt-tokens={limit}")
-    return ids
-
-
-@torch.no_grad()
-def evaluate(engine: Engine, task, tok, world, max_prompt_tokens: int) -> float:
+def evaluate(engine: Engine, task, tok, world, limit: int) -> float:
     """Greedy accuracy on the task's held-out prompts, split over ranks, averaged over all."""
-    share = task.eval_set[world.rank::world.world_size]
-    hits = 0.0
-    if share:
-        prompts = [_encode(tok, p.prompt, max_prompt_tokens) for p in share]
-        out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
-        texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-        hits = sum(task.reward(t, p.answer) for t, p in zip(texts, share))
-    tot = dist.all_reduce(torch.tensor([float(hits), float(len(share))]))
+    hits, n = held_out_hits(engine, task, tok, limit, world.rank, world.world_size)
+    tot = dist.all_reduce(torch.tensor([float(hits), float(n)]))
     return (tot[0] / tot[1]).item()
 
 

@@ -43,7 +43,7 @@ from minirl.offload import TrainerOffload
 from minirl.rollout import Engine, Samples, check_model
 from minirl.sampler import Group, ReadyGroups
 from minirl.stream import PumpConfig, TrainPump
-from minirl.tasks import make_task, prompt_id
+from minirl.tasks import encode_prompt, held_out_hits, make_task, prompt_id
 
 POLL_S = 0.005
 
@@ -85,7 +85,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
                 idx = mine[start:start + k]
                 pids = [prompt_id(0, step * P + i) for i in idx]
                 problems = [task.train_problem(pid) for pid in pids]
-                prompts = [tok(p.prompt, add_special_tokens=False).input_ids for p in problems]
+                prompts = [encode_prompt(tok, p.prompt, args.rollout.max_prompt_tokens) for p in problems]
                 s = engine.generate(prompts, pids, G)
                 texts = tok.batch_decode(s.completion_tokens, skip_special_tokens=True)
                 for j, i in enumerate(idx):
@@ -128,13 +128,9 @@ def _encode_group(s: Samples, rows: slice, rewards: list[float], version: int) -
         "version": torch.tensor(version)})
 
 
-@torch.no_grad()
 def _evaluate(engine: Engine, task, tok, limit: int) -> float:
-    share = task.eval_set
-    out = engine.generate([tok(p.prompt, add_special_tokens=False).input_ids[:limit] for p in share],
-                          list(range(len(share))), 1, greedy=True)
-    texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-    return sum(task.reward(t, p.answer) for t, p in zip(texts, share)) / max(len(share), 1)
+    hits, n = held_out_hits(engine, task, tok, limit)
+    return hits / max(n, 1)
 
 
 # ---- train ranks ----

@@ -169,6 +169,25 @@ def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32) -> Non
         opt.step()
 
 
+def encode_prompt(tok, text: str, limit: int) -> list[int]:
+    """Token ids of a prompt; a prompt over the engine's prompt budget is an error, never cut."""
+    ids = tok(text, add_special_tokens=False).input_ids
+    if len(ids) > limit:
+        raise ValueError(f"a prompt has {len(ids)} tokens, over --rollout.max-prompt-tokens={limit}")
+    return ids
+
+
+def held_out_hits(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> tuple[float, int]:
+    """Greedy completions for this rank's slice of the held-out prompts: (correct, scored)."""
+    share = task.eval_set[rank::world]
+    if not share:
+        return 0.0, 0
+    prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
+    out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
+    texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
+    return sum(task.reward(t, p.answer) for t, p in zip(texts, share)), len(share)
+
+
 def make_task(cfg: TaskConfig, seed: int):
     if cfg.name == "count":
         return CountTask(seed, cfg.eval_prompts)

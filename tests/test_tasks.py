@@ -49,3 +49,14 @@ def test_jsonl_task_gsm8k_answers(tmp_path):
     assert p.answer == f"{n}000"
     assert t.reward(f"so the answer is #### {n},000", p.answer) == 1.0
     assert t.reward(f"{n}000 then 5", p.answer) == 0.0
+
+
+def test_prompt_over_the_budget_is_an_error_not_cut():
+    from minirl.models import load_tokenizer, resolve_path
+    from minirl.config import ModelConfig
+    from minirl.tasks import encode_prompt
+    import pytest
+    tok = load_tokenizer(resolve_path(ModelConfig()))
+    assert encode_prompt(tok, "ab#a=", 5) == tok("ab#a=", add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="--rollout.max-prompt-tokens=4"):
+        encode_prompt(tok, "ab#a=", 4)
