@@ -144,9 +144,6 @@ class Engine:
         # Private vLLM API (pinned 0.32): in-process executor -> worker -> model runner.
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
-    def parameter_names(self) -> set[str]:
-        return {n for n, _ in self._runner().get_model().named_parameters()}
-
     def load_weights(self, named_tensors) -> int:
         """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
         if self.state == "asleep":
