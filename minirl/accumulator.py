@@ -22,6 +22,7 @@ The caller owns the forward; the window owns backward, scaling, clipping and the
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -44,6 +45,7 @@ class Accumulator:
         self.steps = 0          # optimizer steps taken
         self.skipped = 0        # windows abandoned for a non-finite loss or gradient
         self.poisoned = False   # an open window hit a non-finite loss: drop calls until finish()
+        self.step_s = 0.0       # wall time spent in clip + optimizer/scheduler steps (MINIRL_PROFILE_LOOP)
 
     def discarding(self) -> bool:
         """True (and consumes one) while the rest of a poisoned window is being dropped; skip the call."""
@@ -86,6 +88,7 @@ class Accumulator:
         return self._step()
 
     def _step(self) -> dict:
+        t0 = time.perf_counter()
         norm = _clip(self.model, self.max_grad_norm)
         if not math.isfinite(norm):
             self._reset()
@@ -96,6 +99,7 @@ class Accumulator:
             self.scheduler.step()
         self._reset()
         self.steps += 1
+        self.step_s += time.perf_counter() - t0
         return {"grad_norm": norm}
 
     def _reset(self) -> None:

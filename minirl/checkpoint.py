@@ -62,7 +62,8 @@ def steps_done(path: str) -> int:
         raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e})") from e
 
 
-def save(ckpt_dir: str, steps_done: int, model, optimizer, loop_state: dict, keep: int) -> str:
+def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: int) -> str:
+    """parts: {name: (model, optimizer)}, e.g. {"policy": ...} for GRPO, policy and value for PPO."""
     rank = torch.distributed.get_rank()
     final = os.path.join(ckpt_dir, f"step_{steps_done:08d}")
     tmp = final + ".tmp"
@@ -70,8 +71,7 @@ def save(ckpt_dir: str, steps_done: int, model, optimizer, loop_state: dict, kee
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dcp.save(_state(parts), checkpoint_id=tmp)
     save_file({"torch": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{rank}.safetensors"))
     if rank == 0:
         state = {**loop_state, "steps_done": steps_done, "world_size": torch.distributed.get_world_size(),
@@ -96,8 +96,8 @@ def save(ckpt_dir: str, steps_done: int, model, optimizer, loop_state: dict, kee
     return final
 
 
-def load(path: str, model, optimizer) -> dict:
-    """Restore model, optimizer and RNG states in place; return the loop state."""
+def load(path: str, parts: dict) -> dict:
+    """Restore each part's model and optimizer, and the RNG states, in place; return the loop state."""
     if not _complete(path):
         raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it is partial and will not be loaded")
     rank = torch.distributed.get_rank()
@@ -107,10 +107,10 @@ def load(path: str, model, optimizer) -> dict:
         if state["world_size"] != torch.distributed.get_world_size():
             raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} rank(s); "
                                   f"this run has {torch.distributed.get_world_size()}")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        sd = {"model": model_sd, "optim": optim_sd}
+        sd = _state(parts)
         dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for name, (model, optimizer) in parts.items():
+            set_state_dict(model, optimizer, model_state_dict=sd[name], optim_state_dict=sd[name + ".optim"])
         torch.set_rng_state(load_file(os.path.join(path, f"rng_rank{rank}.safetensors"))["torch"])
     except CheckpointError:
         raise
@@ -122,6 +122,13 @@ def load(path: str, model, optimizer) -> dict:
     np.random.set_state(tuple(state["numpy_rng"][:1]) + (np.array(state["numpy_rng"][1], dtype=np.uint32),)
                         + tuple(state["numpy_rng"][2:]))
     return state
+
+
+def _state(parts: dict) -> dict:
+    out = {}
+    for name, (model, optimizer) in parts.items():
+        out[name], out[name + ".optim"] = get_state_dict(model, optimizer)
+    return out
 
 
 def _jsonable(x):

@@ -130,6 +130,10 @@ class LogConfig:
     """Score held-out prompts greedily every this many steps, and at the first and last (0 = never)."""
     target_eval_accuracy: float = 0.0
     """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to <run dir>/tensorboard (pip install -e '.[tensorboard]')."""
+    wandb_project: str = ""
+    """Also log the metrics to this Weights & Biases project (pip install -e '.[wandb]'); empty = off."""
 
 
 @dataclass
@@ -235,21 +239,26 @@ class GRPOArgs:
             raise ConfigError(
                 f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
                 "change --rl.micro-batch-per-replica")
-        if not 0.0 < self.rollout.temperature:
-            raise ConfigError(f"--rollout.temperature={self.rollout.temperature} must be > 0")
-        if self.task.name == "jsonl" and not os.path.isfile(self.task.path):
-            raise ConfigError(f"--task.path={self.task.path!r} is not a file; give a JSONL prompt file "
-                              "or use --task.name count")
         _positive("--rl.lr", rl.lr)
-        if self.checkpoint.every < 0 or self.checkpoint.keep < 1:
-            raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
-        if self.checkpoint.resume not in ("", "auto") and not os.path.isdir(self.checkpoint.resume):
-            raise ConfigError(f"--checkpoint.resume={self.checkpoint.resume!r} is not a folder; "
-                              "give a checkpoint folder, `auto`, or leave it empty")
+        _check_run(self)
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_run(args) -> None:
+    """The checks GRPO and PPO share: sampling, task file, checkpoint flags."""
+    if not 0.0 < args.rollout.temperature:
+        raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
+    if args.task.name == "jsonl" and not os.path.isfile(args.task.path):
+        raise ConfigError(f"--task.path={args.task.path!r} is not a file; give a JSONL prompt file "
+                          "or use --task.name count")
+    if args.checkpoint.every < 0 or args.checkpoint.keep < 1:
+        raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+    if args.checkpoint.resume not in ("", "auto") and not os.path.isdir(args.checkpoint.resume):
+        raise ConfigError(f"--checkpoint.resume={args.checkpoint.resume!r} is not a folder; "
+                          "give a checkpoint folder, `auto`, or leave it empty")
 
 
 def _positive(flag: str, value: float) -> None:
@@ -276,7 +285,7 @@ class PPOConfig:
     num_generations_per_prompt: int = 4
     """Samples per prompt (G); the critic trains on P x G samples per epoch."""
     ppo_epochs: int = 1
-    """Policy epochs per step; streaming requires 1."""
+    """Policy epochs per step, each one optimizer step over the whole batch; streaming requires 1."""
     critic_ppo_epochs: int = 1
     """Critic epochs per step, each over the whole assembled batch."""
     critic_warmup_steps: int = 0
@@ -289,6 +298,8 @@ class PPOConfig:
     """PPO ratio clip and value clip."""
     max_grad_norm: float = 1.0
     """Clip each model's gradient norm after normalization (0 = no clip)."""
+    colocated_offload: bool = True
+    """Colocated full batch: the engine sleeps while policy and value train (CUDA frees its memory)."""
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
 
 
@@ -324,6 +335,11 @@ class PPOArgs:
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
     grid: GridConfig = field(default_factory=lambda: GridConfig(gpu_placement="disaggregated", rollout_ranks=1))
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
 
     @property
     def streaming(self) -> bool:
@@ -340,20 +356,32 @@ class PPOArgs:
                               f"in [1, --ppo.num-prompts-per-step={p.num_prompts_per_step}]")
         if a.sampler.name not in ("in_order", "ready_first"):
             raise ConfigError(f"--async-rl.sampler.name={a.sampler.name!r}: use in_order or ready_first")
-        if p.ppo_epochs != 1:
-            raise ConfigError(f"--ppo.ppo-epochs={p.ppo_epochs}: streaming requires 1 (full-batch PPO with several "
-                              "policy epochs is not implemented yet)")
-        if self.grid.gpu_placement != "disaggregated" or not 0 < self.grid.rollout_ranks < world_size:
-            raise ConfigError(f"PPO streaming needs separate generation ranks: --grid.gpu-placement disaggregated and "
-                              f"--grid.rollout-ranks in [1, {world_size - 1}] (this launch has {world_size} rank(s); "
-                              "start it with torchrun --nproc-per-node 2 or more)")
-        dp = world_size - self.grid.rollout_ranks
+        _positive("--ppo.ppo-epochs", p.ppo_epochs)
+        if self.streaming and p.ppo_epochs != 1:
+            raise ConfigError(f"--ppo.ppo-epochs={p.ppo_epochs}: streaming requires 1; several policy epochs need "
+                              f"full batch (--async-rl.min-groups-for-streaming-train={p.num_prompts_per_step})")
+        if self.grid.gpu_placement == "colocated":
+            if self.streaming:
+                raise ConfigError("PPO streaming needs separate generation ranks: use --grid.gpu-placement "
+                                  "disaggregated, or full batch colocated with --async-rl.min-groups-for-streaming-"
+                                  f"train={p.num_prompts_per_step}")
+            dp = world_size
+        else:
+            if not 0 < self.grid.rollout_ranks < world_size:
+                raise ConfigError(f"disaggregated PPO needs separate generation ranks: --grid.rollout-ranks in "
+                                  f"[1, {world_size - 1}] (this launch has {world_size} rank(s); start it with "
+                                  "torchrun --nproc-per-node 2 or more, or use --grid.gpu-placement colocated with "
+                                  "full batch)")
+            dp = world_size - self.grid.rollout_ranks
         if p.num_prompts_per_step % dp:
             raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "
                               f"{dp} train rank(s)")
         if a.rollout_groups_per_call < 1 or a.sampler.max_lookahead_versions < 0:
             raise ConfigError("--async-rl.rollout-groups-per-call must be >= 1 and "
                               "--async-rl.sampler.max-lookahead-versions >= 0")
+        _positive("--ppo.lr", p.lr)
+        _positive("--ppo.value-lr", p.value_lr)
+        _check_run(self)
         return self
 
     def to_dict(self) -> dict:

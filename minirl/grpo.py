@@ -37,7 +37,7 @@ from minirl.models import token_logprobs as score
 from minirl.objective import policy_loss
 from minirl.offload import HandOff, Profile, TrainerOffload
 from minirl.rollout import Engine, check_model
-from minirl.tasks import dp_partition, encode_prompt, held_out_hits, make_task, prompt_id
+from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_task, prompt_id
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         dist.set_deterministic()
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)
     start = checkpoint.steps_done(resume) if resume else 0
-    log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start)
+    log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
+                 tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict())
     log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
              f"n_micro={'by token budget' if args.rl.max_tokens_per_micro_batch else args.n_micro}")
     log.info("config: " + json.dumps(args.to_dict(), separators=(",", ":")))
@@ -67,12 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
     tok = models.load_tokenizer(path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = models.DTYPES[args.model.dtype]
-    policy = dist.shard(models.load_policy(path, args.model.dtype), world, dtype)
+    with log.phase("build_trainer", announce="loading the policy (FSDP2)"):
+        policy = dist.shard(models.load_policy(path, args.model.dtype), world, dtype)
+        ref = dist.shard(models.load_reference(path, args.model.dtype), world, dtype) if rl.kl_coef else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=rl.weight_decay)
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm)
-    ref = dist.shard(models.load_reference(path, args.model.dtype), world, dtype) if rl.kl_coef else None
     probe = Probe(policy)
-    with log.phase("build_engine"):
+    with log.phase("build_engine", announce="building the vLLM engine"):
         engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
                         sleep_mode=rl.colocated_offload)
     profile = Profile(world.device)
@@ -80,14 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
                       enabled=rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
 
     def save() -> None:
-        checkpoint.save(args.checkpoint_dir, step + 1, policy, optimizer, keep=args.checkpoint.keep, loop_state={
-            "optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
+        checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
+                        loop_state={"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
 
     stop = _sigterm_flag()
     try:
         if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
             handoff.before_restore()
-            state = checkpoint.load(resume, policy, optimizer)
+            state = checkpoint.load(resume, {"policy": (policy, optimizer)})
             acc.steps, acc.skipped, probe.done = state["optimizer_steps"], state["skipped"], state["probe_done"]
             log.info(f"resumed from {resume} at step {start}")
             handoff.publish()
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     for t, pid in zip(texts, samples.prompt_ids)])   # (B_r,)
             advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
             batch = pack(samples, advantages, pad_id)                              # (B_r, T) tensors
+            profile.mark("score")
             plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
                                rl.max_tokens_per_micro_batch)
             ahead = args.needs_cached_old_logprobs
@@ -120,10 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
 
             # ---- update: the trainer holds the card while the rollout sleeps (B20) ----
             handoff.to_trainer()
+            optimizer_s = acc.step_s
             with log.phase("train"):
                 calls, steps_out = update(policy, ref, acc, store, args, probe, ahead)
             store.close()
-            profile.mark("train")
+            profile.mark("train", optimizer_s=acc.step_s - optimizer_s)
             evaluates = args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1)
             saves = args.checkpoint.every and (step + 1) % args.checkpoint.every == 0
             if saves and not evaluates:
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
                       **roll_up(steps_out), "optimizer_steps": acc.steps, "weight_syncs": engine.loads - syncs}
             if evaluates:
                 with log.phase("eval"):
-                    record["eval_accuracy"] = evaluate(engine, task, tok, world, args.rollout.max_prompt_tokens)
+                    record["eval_accuracy"] = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens,
+                                                               world.rank, world.world_size)
                 profile.mark("eval")
             terminate = stop()
             if (saves and evaluates) or (terminate and not saves):  # saved in the update window already
@@ -273,13 +278,6 @@ class Probe:
                 f"eval() and train() forwards at unchanged weights (tolerance {self.tolerance:.1%}). pi_old "
                 "from the ahead pass would not match training: disable dropout/stochastic layers, or run "
                 "with --rl.mini-batch-per-replica 0 --rl.mu-iterations 1")
-
-
-def evaluate(engine: Engine, task, tok, world, limit: int) -> float:
-    """Greedy accuracy on the task's held-out prompts, split over ranks, averaged over all."""
-    hits, n = held_out_hits(engine, task, tok, limit, world.rank, world.world_size)
-    tot = dist.all_reduce(torch.tensor([float(hits), float(n)]))
-    return (tot[0] / tot[1]).item()
 
 
 if __name__ == "__main__":

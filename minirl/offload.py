@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-import psutil
 import torch
 
 
@@ -49,6 +48,8 @@ class TrainerOffload:
         if self.offloaded:
             return
         pin = torch.cuda.is_available()
+        if self.keep_grads:
+            self._check_grads_survive()
         for t in self._tensors():
             s = t.untyped_storage()
             key = s.data_ptr()
@@ -61,6 +62,23 @@ class TrainerOffload:
         for s, _ in self.host.values():
             s.resize_(0)
         self.offloaded = True
+
+    def _check_grads_survive(self) -> None:
+        """Resident gradients need storage of their own: a trainer whose gradients live in its
+        parameters' storage (a flat fused buffer, a low-precision format that packs both) would lose
+        them here. No minirl setup does; a fork that builds one is refused before its first update."""
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        params = {local(p).untyped_storage().data_ptr(): n for n, p in self.model.named_parameters()
+                  if local(p).untyped_storage().nbytes()}
+        for p in self.model.parameters():
+            if p.grad is None or not local(p.grad).untyped_storage().nbytes():
+                continue
+            name = params.get(local(p.grad).untyped_storage().data_ptr())
+            if name is not None:
+                raise RuntimeError(f"offload: the gradients share storage with parameter {name!r}, so this trainer "
+                                   "cannot keep gradients resident while its parameters are offloaded (spec "
+                                   "ppo-streaming \"support limits\"); give gradients their own storage or set "
+                                   "--async-rl.min-groups-for-streaming-train to --ppo.num-prompts-per-step")
 
     @torch.no_grad()
     def onload(self) -> None:
@@ -148,17 +166,20 @@ class Profile:
     def begin_step(self) -> None:
         self.record, self._t = {}, time.perf_counter()
 
-    def mark(self, boundary: str) -> None:
+    def mark(self, boundary: str, **extra: float) -> None:
+        """Close the phase ending at `boundary`: its wall time, memory now, and any `extra` numbers."""
         if not self.enabled:
             return
         now = time.perf_counter()
         self.record.setdefault("phases", []).append(boundary)
         self.record[f"{boundary}/s"] = round(now - self._t, 6)
+        self.record.update({f"{boundary}/{k}": round(v, 6) for k, v in extra.items()})
         self._t = now
         if self.device.type == "cuda":
             self.record[f"{boundary}/allocated_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
             self.record[f"{boundary}/reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
         else:
+            import psutil  # CPU runs only (a bare CUDA box may lack it)
             self.record[f"{boundary}/rss_mib"] = psutil.Process().memory_info().rss / 2**20
 
     def take(self) -> dict | None:

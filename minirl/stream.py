@@ -8,10 +8,12 @@ model runs, the policy's parameters and optimizer state are offloaded and its ac
 gradients stay resident (S7); the value model is prepared before the caller waits for the next
 chunk and stays resident across empty selections (S12).
 
-`TrainPump.close` (S8-S11, S14, S15): fail before either update if the whole step was masked;
+`TrainPump.close` (S8-S11, S13-S15): fail before either update if the whole step was masked;
 scale the policy gradient once by the whole step's valid-token count, clip, take ONE policy
-optimizer (and scheduler) step; refit the rollout; then train the critic for
-`critic_ppo_epochs` on the assembled batch with the frozen returns. During critic warmup the
+optimizer (and scheduler) step (full batch: `ppo_epochs` steps, each over the whole batch
+against the frozen pi_old and advantages); refit the rollout; then train the critic for
+`critic_ppo_epochs` on the assembled batch with the frozen returns. Colocated full batch
+(`refit_after_critic`): the engine sleeps through critic training and the refit comes after it. During critic warmup the
 policy backward, step and refit are skipped. The caller releases the consumed groups and
 advances its step counter after `close` returns, and takes no checkpoint in between.
 
@@ -25,6 +27,7 @@ reward on its last completion token) and optional `rollout_logp`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +51,8 @@ class PumpConfig:
     critic_micro_rows: int = 0       # rows per critic forward/backward; 0 = the whole batch
     critic_warmup: bool = False      # this step only trains the critic (S14)
     offload: bool = True             # switch residency between policy and value (S7, S12)
+    ppo_epochs: int = 1              # policy epochs; > 1 only in full-batch mode (config.PPOArgs.validate)
+    refit_after_critic: bool = False # colocated full batch: the engine sleeps through critic training (S13)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class TrainPump:
     chunks: list[dict] = field(default_factory=list)   # the assembled batch, with old values and returns
     calls: list[dict] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    last_chunk_s: float = 0.0        # wall time of the latest chunk's work (the tail benchmark's ideal)
 
     def __post_init__(self):
         # A run creates the offloaders once and hands them to every step's pump: the host copies
@@ -91,6 +97,7 @@ class TrainPump:
 
     # ---- per chunk ----
     def chunk(self, c: dict) -> None:
+        t0 = time.perf_counter()
         ids, mask = c["input_ids"], c["mask"]
         k = len(self.chunks)
         with torch.no_grad():
@@ -106,36 +113,55 @@ class TrainPump:
         adv, returns = compute_gae(c["rewards"], old_values, mask, self.cfg.gamma, self.cfg.lam)
         if self.cfg.normalize_advantages:
             adv = masked_whiten(adv, mask)                                       # per chunk (S19)
-        self.chunks.append({**c, "old_values": old_values, "returns": returns})
+        old = c.get("rollout_logp", logp.detach())  # pi_old: the sampler's, frozen for every policy epoch
+        self.chunks.append({**c, "old_values": old_values, "returns": returns, "adv": adv, "old_logp": old,
+                            "ref_logp": ref_logp})
         if not self.cfg.critic_warmup:
-            old = c.get("rollout_logp", logp.detach())  # ppo_epochs == 1: pi_old is the sampler
-            loss, divisor, m = policy_loss(logp, old, adv, mask, self.cfg.clip_eps, ref_logp, self.cfg.kl_coef,
-                                           prefix="ppo")
-            self.events.append("policy.backward")
-            self.policy_acc.backward(loss, divisor)  # accumulates; no optimizer step between chunks (S5)
-            self.calls.append(m)
+            self._policy_backward(logp, self.chunks[-1])  # accumulates; no optimizer step between chunks (S5)
         self.log(f"train_pump: step {self.step} chunk {k} groups={c.get('groups', '?')} rows={ids.shape[0]} "
                  f"tokens={int(mask.sum())}")
         self.prepare_value()  # before the caller waits for the next chunk (S12)
+        self.last_chunk_s = time.perf_counter() - t0
 
     # ---- close the step ----
     def close(self) -> dict:
+        t0 = time.perf_counter()
         total_tokens = sum(float(c["mask"].sum()) for c in self.chunks)
         if total_tokens == 0:
             raise RuntimeError(f"train_pump: step {self.step}: every completion token is masked; "
                                "refusing both updates (S15)")
         out: dict = {}
-        if not self.cfg.critic_warmup:
+        warm = self.cfg.critic_warmup
+        if not warm:
             self._policy_resident()
             self.events.append("policy.step")
             out.update(self.policy_acc.finish())  # scale by the whole step's count, clip, one step (S8)
-            if self.refit is not None:
-                self.events.append("refit")
-                self.refit()                      # before critic training (S9)
+            for _ in range(1, self.cfg.ppo_epochs):  # full batch only: more epochs against the frozen pi_old
+                for c in self.chunks:
+                    self._policy_backward(token_logprobs(self.policy, c["input_ids"]), c)
+                self.events.append("policy.step")
+                out.update(self.policy_acc.finish())
+            if not self.cfg.refit_after_critic:
+                self._refit()                     # before critic training (S9, S13)
             self.prepare_value()
         out.update(self._train_critic())
+        if not warm and self.cfg.refit_after_critic:
+            self._refit()                         # colocated full batch: generation stayed paused until now (S13)
         self.log(f"train_pump: step {self.step} closing on {len(self.chunks)} chunk(s)")
-        return {**roll_up(self.calls), **out, "ppo_chunks": float(len(self.chunks))}
+        return {**roll_up(self.calls), **out, "ppo_chunks": float(len(self.chunks)),
+                "time/last_chunk": self.last_chunk_s, "time/close": time.perf_counter() - t0}
+
+    def _policy_backward(self, logp: torch.Tensor, c: dict) -> None:
+        loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], self.cfg.clip_eps, c["ref_logp"],
+                                       self.cfg.kl_coef, prefix="ppo")
+        self.events.append("policy.backward")
+        self.policy_acc.backward(loss, divisor)
+        self.calls.append(m)
+
+    def _refit(self) -> None:
+        if self.refit is not None:
+            self.events.append("refit")
+            self.refit()
 
     def _train_critic(self) -> dict:
         """critic_ppo_epochs passes over the assembled batch against the frozen returns (S10)."""

@@ -177,15 +177,24 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
     return ids
 
 
-def held_out_hits(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> tuple[float, int]:
-    """Greedy completions for this rank's slice of the held-out prompts: (correct, scored)."""
+def held_out_accuracy(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> float:
+    """Greedy accuracy on the held-out prompts. With world > 1 every rank of the default group
+    scores its slice and the counts are summed over ranks (a collective)."""
+    import torch
+
+    from minirl import dist
+
     share = task.eval_set[rank::world]
-    if not share:
-        return 0.0, 0
-    prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
-    out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
-    texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-    return sum(task.reward(t, p.answer) for t, p in zip(texts, share)), len(share)
+    hits = 0.0
+    if share:
+        prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
+        out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
+        texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
+        hits = sum(task.reward(t, p.answer) for t, p in zip(texts, share))
+    tot = torch.tensor([float(hits), float(len(share))])
+    if world > 1:
+        dist.all_reduce(tot)
+    return (tot[0] / tot[1].clamp_min(1)).item()
 
 
 def make_task(cfg: TaskConfig, seed: int):

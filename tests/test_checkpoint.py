@@ -99,6 +99,8 @@ def test_profile_records_the_colocated_cycle_with_the_real_engine(tmp_path):
     assert p.returncode == 0
     for line in open(tmp_path / "metrics.jsonl"):
         prof = json.loads(line)["grpo_step"]
-        assert prof["phases"] == ["generate", "rollout.sleep", "trainer.onload", "train", "rollout.wake_up(weights)",
-                                  "weight_sync", "trainer.offload", "rollout.wake_up(kv_cache)"]
+        assert prof["phases"] == ["generate", "score", "rollout.sleep", "trainer.onload", "train",
+                                  "rollout.wake_up(weights)", "weight_sync", "trainer.offload",
+                                  "rollout.wake_up(kv_cache)"]
+        assert 0 < prof["train/optimizer_s"] < prof["train/s"]
         assert all(f"{ph}/rss_mib" in prof and f"{ph}/s" in prof for ph in prof["phases"])

@@ -80,6 +80,18 @@ def test_offload_can_keep_gradients_resident(world):
     off.onload()
 
 
+def test_gradients_sharing_parameter_storage_are_refused_before_offload(world):
+    """S20: a trainer that cannot keep gradients resident while its parameters are offloaded is refused."""
+    model, opt = trainer(world)
+    p = next(model.parameters())
+    p.grad = p.detach()  # a gradient living in its parameter's storage
+    before = [q.detach().clone() for q in model.parameters()]
+    with pytest.raises(RuntimeError, match="cannot keep gradients resident"):
+        TrainerOffload(model, opt, keep_grads=True).offload()
+    assert all(q.untyped_storage().nbytes() > 0 for q in model.parameters())  # refused before releasing anything
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_fsdp2_parameters_round_trip(world, tiny_path):
     from minirl.models import load_policy
     model = dist.shard(load_policy(tiny_path), world, torch.float32)

@@ -1,10 +1,14 @@
-"""End to end: `torchrun --nproc-per-node 2 -m minirl.ppo`: one rollout rank with the real vLLM engine,
-one train rank streaming chunks through the train pump (S1, S3, S20, S22)."""
+"""End to end with the real vLLM engine: `torchrun -m minirl.ppo` with one rollout rank and one or
+two train ranks streaming chunks through the train pump (S1, S3, S11, S20, S22), and colocated full
+batch with several policy epochs on one process (S13)."""
 
 import json
+import os
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import run
 from minirl.config import ConfigError, PPOArgs
@@ -33,7 +37,8 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
 
 
 @pytest.mark.parametrize("change, flag", [
-    (lambda a: setattr(a.ppo, "ppo_epochs", 2), "--ppo.ppo-epochs"),
+    (lambda a: setattr(a.ppo, "ppo_epochs", 2), "--ppo.ppo-epochs"),  # streaming (min 4 < 16 prompts)
+    (lambda a: setattr(a.grid, "gpu_placement", "colocated"), "separate generation ranks"),
     (lambda a: setattr(a.async_rl.sampler, "name", "random"), "--async-rl.sampler.name"),
     (lambda a: setattr(a.grid, "rollout_ranks", 0), "separate generation ranks"),
     (lambda a: setattr(a.async_rl, "min_groups_for_streaming_train", 0), "--async-rl.min-groups-for-streaming-train"),
@@ -45,6 +50,64 @@ def test_support_limits_are_rejected_at_setup(change, flag):
         a.validate(2)
 
 
+def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
+    a = PPOArgs()
+    a.async_rl.min_groups_for_streaming_train = a.ppo.num_prompts_per_step
+    a.ppo.ppo_epochs = 3
+    a.validate(2)
+    a.grid.gpu_placement = "colocated"
+    a.validate(1)
+
+
 def test_one_process_is_refused_naming_the_launch(tmp_path):
     p = run([sys.executable, "-m", "minirl.ppo", "--log.run-dir", str(tmp_path)], timeout=120)
     assert p.returncode == 2 and "--nproc-per-node" in p.stderr
+
+
+SMALL = ["--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4", "--log.eval-every", "0"]
+
+
+def ppo(nproc, run_dir, *flags):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return run([*(launch if nproc > 1 else [sys.executable]), "-m", "minirl.ppo", *SMALL, "--log.run-dir",
+                str(run_dir), *flags])
+
+
+def steps_logged(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "reward_mean" in line]
+
+
+def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
+    """1 rollout + 2 train ranks: chunks stay aligned to the DP size, the critic sees P x G samples,
+    checkpoints land only between steps (counters already advanced) and a resume continues (S11, S21)."""
+    flags = ["--async-rl.min-groups-for-streaming-train", "2", "--async-rl.sampler.max-lookahead-versions", "0",
+             "--checkpoint.every", "1"]
+    p = ppo(3, tmp_path, "--steps", "2", *flags)
+    assert p.returncode == 0
+    chunks = [line for line in p.stderr.splitlines() if line.startswith("train_pump: step 0 chunk")]
+    assert chunks and all(int(line.split("groups=")[1].split()[0]) % 2 == 0 for line in chunks)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000002"]
+    assert all((ckpts / d / "COMPLETE").exists() for d in os.listdir(ckpts))
+    p = ppo(3, tmp_path, "--steps", "3", *flags, "--checkpoint.resume", "auto")
+    assert p.returncode == 0 and "resumed from" in p.stderr and "step_00000002" in p.stderr
+    recs = steps_logged(tmp_path)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert all(r["value_epoch_n"] == 8 * 4 for r in recs)
+
+
+def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
+    """One process generates and trains; the engine sleeps through both updates and wakes at the
+    refit after critic training. Resuming from the step-2 checkpoint reproduces step 2 and the final policy."""
+    flags = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8",
+             "--ppo.ppo-epochs", "2", "--ppo.critic-ppo-epochs", "2", "--checkpoint.every", "2", "--steps", "3"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert ppo(1, straight, *flags).returncode == 0
+    p = ppo(1, resumed, *flags, "--checkpoint.resume", str(straight / "checkpoints" / "step_00000002"))
+    assert p.returncode == 0
+    a, b = steps_logged(straight), steps_logged(resumed)
+    assert [r["step"] for r in a] == [0, 1, 2] and [r["step"] for r in b] == [2]
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s"))}  # noqa: E731
+    assert strip(a[2]) == strip(b[0])
+    wa, wb = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -175,3 +175,33 @@ def test_value_of_a_token_never_sees_that_token(models, world):
         a, b = value(ids), value(other)
     assert torch.equal(a[:, :4], b[:, :4]) and not torch.equal(a[:, 4:], b[:, 4:])
     assert a[0, 0] == 0
+
+
+def test_full_batch_policy_epochs_reuse_the_frozen_pi_old_and_advantages(models, world):
+    """ppo_epochs=2 (full batch): one step per epoch; epoch 2 scores the stepped policy against the
+    pi_old and advantages frozen at the chunk, then refit, then the critic (S1, S13)."""
+    from minirl.models import token_logprobs
+    from minirl.objective import policy_loss
+
+    c = merged([make_chunk(*x) for x in CHUNKS])
+    one, _ = run(models, [c], ppo_epochs=1)
+    two, _ = run(models, [c], ppo_epochs=2)
+    assert two.policy_acc.steps == 2
+    assert two.events[-6:] == ["policy.ready", "policy.step", "policy.backward", "policy.step", "value.ready",
+                               "critic.epoch"]
+    one.policy_off.onload()  # the policy after epoch 1, as epoch 2 of `two` saw it
+    frozen = one.chunks[0]
+    check = Accumulator(one.policy, RecordingSGD(one.policy.parameters(), lr=0.1), n_micro=None)
+    loss, divisor, _ = policy_loss(token_logprobs(one.policy, c["input_ids"]), frozen["old_logp"], frozen["adv"],
+                                   c["mask"], 0.2, prefix="ppo")
+    check.backward(loss, divisor)
+    check.finish()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(check.optimizer.seen, two.policy_acc.optimizer.seen))
+
+
+def test_colocated_full_batch_refits_after_critic_training(models, world):
+    refits = []
+    p = pump(models, PumpConfig(critic_ppo_epochs=2, refit_after_critic=True), refit=lambda: refits.append(1))
+    p.chunk(make_chunk(*CHUNKS[0]))
+    p.close()
+    assert p.events[-4:] == ["value.ready", "critic.epoch", "critic.epoch", "refit"] and refits == [1]

@@ -1,0 +1,85 @@
+"""A run's learning curve: `python -m minirl.plot RUN_DIR` -> RUN_DIR/curve.png.
+
+Reads RUN_DIR/metrics.jsonl (one record per step, as logger.RunLog writes it) and draws one
+panel per quantity that the run logged: reward and held-out accuracy, the policy loss, the
+value loss (PPO), KL and clip fraction, gradient norm, step time. Works on a run that is still
+going or crashed: every complete line is a finished step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+PANELS = [  # (title, metric keys drawn in it)
+    ("reward", ["reward_mean", "eval_accuracy"]),
+    ("policy loss", ["grpo_loss", "ppo_loss"]),
+    ("value loss", ["value_loss"]),
+    ("KL / clip fraction", ["grpo_kl", "grpo_clipfrac", "ppo_clipfrac"]),
+    ("gradient norm", ["grad_norm"]),
+    ("seconds per step", ["time/step"]),
+]
+
+
+def read(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"minirl.plot: {path} does not exist; give the --log.run-dir of a run")
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+    return out
+
+
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(run_dir: str, out: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read(run_dir)
+    panels = [(t, [k for k in keys if series(records, k)[0]]) for t, keys in PANELS]
+    panels = [(t, keys) for t, keys in panels if keys]
+    if not panels:
+        raise SystemExit(f"minirl.plot: no step records in {run_dir}/metrics.jsonl yet")
+    cols = 2
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(10, 3 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for k in keys:
+            x, y = series(records, k)
+            ax.plot(x, y, marker="o" if k == "eval_accuracy" else None, ms=3, lw=1.2, label=k)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(os.path.abspath(run_dir), fontsize=9)
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curve.png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m minirl.plot", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="a run directory (--log.run-dir) holding metrics.jsonl")
+    ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curve.png)")
+    a = ap.parse_args(argv)
+    print(plot(a.run_dir, a.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""logger.RunLog: metrics.jsonl always, flushed per step and trimmed on resume; the optional
+TensorBoard / W&B sinks name their extra when missing; one readable console line per step."""
+
+import json
+import sys
+
+import pytest
+
+from minirl.config import ConfigError
+from minirl.logger import RunLog, console_line
+
+
+def test_records_are_flushed_per_step_and_a_resume_keeps_earlier_steps(tmp_path):
+    log = RunLog(str(tmp_path), enabled=True)
+    for s in range(4):
+        log.write({"step": s, "reward_mean": s / 10})
+        assert len(open(tmp_path / "metrics.jsonl").readlines()) == s + 1  # on disk before the next step
+    log.close()
+    RunLog(str(tmp_path), enabled=True, start_step=2).close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, module, flag", [
+    ({"tensorboard": True}, "torch.utils.tensorboard", "--log.tensorboard"),
+    ({"wandb_project": "p"}, "wandb", "--log.wandb-project"),
+])
+def test_a_missing_optional_sink_names_its_flag_and_extra(tmp_path, monkeypatch, kwargs, module, flag):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=flag.replace(".", r"\.") + ".*pip install"):
+        RunLog(str(tmp_path), enabled=True, **kwargs)
+
+
+def test_console_line_shows_the_key_numbers():
+    line = console_line({"step": 7, "reward_mean": 0.5, "ppo_loss": -0.01, "value_loss": 0.2, "ppo_clipfrac": 0.03,
+                         "time/step": 1.25, "tokens_per_s": 900.0})
+    assert line == "step    7 | reward 0.5 | loss -0.01 | vloss 0.2 | clip 0.03 | s 1.25 | tok/s 900"

@@ -1,0 +1,30 @@
+"""minirl.plot: a PNG of a run's curves from metrics.jsonl, also from a crashed run's partial file."""
+
+import json
+
+import pytest
+
+from minirl.plot import plot, read, series
+
+
+def write_run(d, records, tail=""):
+    with open(d / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write(tail)
+
+
+def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
+    recs = [{"step": 0, "eval_accuracy": 0.0}] + [
+        {"step": s, "reward_mean": 0.1 * s, "ppo_loss": -0.01, "value_loss": 1.0 / (s + 1), "time/step": 0.5}
+        for s in range(5)]
+    write_run(tmp_path, recs, tail='{"step": 5, "reward_')  # the last line was cut by a crash
+    out = plot(str(tmp_path))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert len(read(str(tmp_path))) == 6
+    assert series(read(str(tmp_path)), "reward_mean") == ([0, 1, 2, 3, 4], [0.0, 0.1, 0.2, 0.30000000000000004, 0.4])
+
+
+def test_missing_metrics_names_the_flag(tmp_path):
+    with pytest.raises(SystemExit, match="--log.run-dir"):
+        plot(str(tmp_path))
