@@ -154,8 +154,9 @@ def main() -> None:
     t = throughput(policy, value, popt, vopt, ids[:rows], mask[:rows], adv[:rows], device, a.repeats)
     rate = matmul_rate(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     floor = 2 * 6 * n_params * t["tokens"] / rate  # policy + value, 6N per token each
-    out["throughput"] = {**t, "params": n_params, "tokens_per_s": t["tokens"] / t["step_s"], "peak_mib": peak_mib(device),
-                         "matmul_flops_per_s": rate, "floor_s": floor, "step_over_floor": t["step_s"] / floor}
+    out["throughput"] = {**t, "params": n_params, "tokens_per_s": t["tokens"] / t["step_s"],
+                         "peak_mib": peak_mib(device), "matmul_flops_per_s": rate, "floor_s": floor,
+                         "step_over_floor": t["step_s"] / floor}
     print("throughput", json.dumps(out["throughput"]), flush=True)
 
     # 2. micro-batching memory: one policy step at long completions
@@ -190,8 +191,8 @@ def main() -> None:
     off.onload()
     sync(device)
     t2 = time.perf_counter()
-    exact = all(torch.equal(before[k].full_tensor() if hasattr(before[k], "full_tensor") else before[k],
-                            v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy.state_dict().items())
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    exact = all(torch.equal(full(before[k]), full(v)) for k, v in policy.state_dict().items())
     out["offload"] = {"offload_s": t1 - t0, "onload_s": t2 - t1, "allocated_before_mib": m0,
                       "allocated_offloaded_mib": m1, "released_mib": (m0 - m1) if m0 is not None else None,
                       "bit_exact": exact}

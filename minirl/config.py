@@ -73,6 +73,8 @@ class TaskConfig:
     """JSONL file with one {"prompt": ..., "answer": ...} per line (for --task.name jsonl)."""
     eval_prompts: int = 128
     """Held-out prompts scored greedily for `eval_accuracy`."""
+    eval_path: str = ""
+    """JSONL file of held-out prompts (e.g. GSM8K test); empty = hold out part of --task.path."""
 
 
 @dataclass
@@ -254,6 +256,9 @@ def _check_run(args) -> None:
     if args.task.name == "jsonl" and not os.path.isfile(args.task.path):
         raise ConfigError(f"--task.path={args.task.path!r} is not a file; give a JSONL prompt file "
                           "or use --task.name count")
+    if args.task.eval_path and not os.path.isfile(args.task.eval_path):
+        raise ConfigError(f"--task.eval-path={args.task.eval_path!r} is not a file; "
+                          "give a JSONL file or leave it empty")
     if args.checkpoint.every < 0 or args.checkpoint.keep < 1:
         raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
     if args.checkpoint.resume not in ("", "auto") and not os.path.isdir(args.checkpoint.resume):

@@ -179,7 +179,9 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
 
 class StoreGroups:
     """The train side of disaggregated placement. Keys: `start` (the step a run begins at),
-    `version/{v}` (policy weights, safetensors; empty = unchanged), `group/{s}/{i}`, `eval/{v}`, `stop`."""
+    `version/{v}` (policy weights, safetensors; empty = unchanged), `group/{s}/{i}` (one group's
+    samples), `loaded/{r}` (the version rollout rank r holds), `eval/{v}`, `stop`. Blobs are
+    stored in parts (`_put`); versions every rollout rank has moved past are dropped."""
 
     colocated = False
 
@@ -187,6 +189,7 @@ class StoreGroups:
         self.args, self.store, self.world = args, store, world
         self.next_eval = 0
         self.t_all_ready = 0.0  # controller: when the step's last group became ready
+        self.published: list[int] = []  # policy versions still in the store
 
     def start(self, step: int, policy, offload) -> None:
         if step:  # resumed: the rollout ranks start from the restored weights
@@ -206,18 +209,25 @@ class StoreGroups:
             if not taken:
                 time.sleep(POLL_S)  # the value model stays resident across empty selections (S12)
                 continue
-            yield len(taken), [st_load(self.store.get(f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
+            yield len(taken), [st_load(_take(self.store, f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
 
     def refit(self, version: int, policy) -> None:
         """Gather the full policy (a collective over the train ranks) and hand it to the rollout ranks."""
         state = {n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy)} if policy is not None else None
-        if self.world.is_main:
-            self.store.set(f"version/{version}", st_save(state) if state is not None else b"")
+        if not self.world.is_main:
+            return
+        _put(self.store, f"version/{version}", st_save(state) if state is not None else b"")
+        self.published.append(version)
+        # Drop the versions every rollout rank has moved past: the store must not grow with the run.
+        loaded = [int(self.store.get(k)) if self.store.check([k]) else 0
+                  for k in (f"loaded/{r}" for r in range(self.args.grid.rollout_ranks))]
+        while self.published and self.published[0] < min(loaded):
+            _drop(self.store, f"version/{self.published.pop(0)}")
 
     def release(self, step: int) -> None:
         if self.world.is_main:
             for i in range(self.args.ppo.num_prompts_per_step):
-                self.store.delete_key(f"group/{step}/{i}")
+                _drop(self.store, f"group/{step}/{i}")
 
     def evals(self, version: int) -> dict:
         """The newest held-out accuracy the rollout side has posted (it scores versions asynchronously)."""
@@ -257,7 +267,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         start = int(store.get("start"))  # waits for the trainer to build (and maybe restore) its models
         version = max(start - 1, 0)      # a resumed run's weights arrive as version/{start}
         for step in range(start, args.steps):
-            version = _catch_up(engine, store, version, need=step - args.async_rl.sampler.max_lookahead_versions)
+            version = _catch_up(engine, store, version, step - args.async_rl.sampler.max_lookahead_versions, roles)
             if version is None:
                 return  # the trainer stopped early (--log.target-eval-accuracy)
             if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
@@ -266,28 +276,59 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
             k = args.async_rl.rollout_groups_per_call
             for first in range(0, len(mine), k):
                 for i, group in _generate(engine, task, tok, mine[first:first + k], step, args, version):
-                    store.set(f"group/{step}/{i}", st_save(group))
-        if _catch_up(engine, store, version, need=args.steps) is None:  # the last refit, then the final eval
+                    _put(store, f"group/{step}/{i}", st_save(group))
+        if _catch_up(engine, store, version, args.steps, roles) is None:  # the last refit, then the final eval
             return
         if roles.global_rank == 0 and every:
             store.set(f"eval/{args.steps}", str(held_out_accuracy(engine, task, tok, limit)))
+        store.wait(["stop"])  # global rank 0 hosts the store: it must outlive the trainer's last use of it
     finally:
         engine.close()
 
 
-def _catch_up(engine: Engine, store, version: int, need: int) -> int | None:
-    """Load every published policy version up to at least `need` (waits for it); None once the trainer stopped."""
-    while version < need or store.check([f"version/{version + 1}"]):
-        if not store.check([f"version/{version + 1}"]):
-            if store.check(["stop"]):
-                return None
-            time.sleep(POLL_S)
-            continue
-        version += 1
-        blob = store.get(f"version/{version}")
-        if blob:  # empty during critic warmup: the policy did not change (S14)
+def _catch_up(engine: Engine, store, version: int, need: int, roles: dist.Roles) -> int | None:
+    """Wait until policy version >= `need` is published, then load the newest one (a version
+    published during critic warmup carries no weights: the newest one that does is loaded).
+    Returns the version now in the engine, or None once the trainer stopped."""
+    while True:
+        latest = version
+        while store.check([f"version/{latest + 1}"]):
+            latest += 1
+        if latest >= need:
+            break
+        if store.check(["stop"]):
+            return None
+        time.sleep(POLL_S)
+    for v in range(latest, version, -1):
+        blob = _take(store, f"version/{v}")
+        if blob:
             engine.load_weights(st_load(blob).items())
-    return version
+            break
+    if latest > version:
+        store.set(f"loaded/{roles.global_rank}", str(latest))  # the trainer may now drop older versions
+    return latest
+
+
+# The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.
+PART_BYTES = 4 << 20
+
+
+def _put(store, key: str, blob: bytes) -> None:
+    parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)]
+    for k, part in enumerate(parts):
+        store.set(f"{key}/{k}", part)
+    store.set(key, str(len(parts)))  # present = complete
+
+
+def _take(store, key: str) -> bytes:
+    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
+
+
+def _drop(store, key: str) -> None:
+    n = int(store.get(key))
+    store.delete_key(key)
+    for k in range(n):
+        store.delete_key(f"{key}/{k}")
 
 
 def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.World) -> list[int]:
@@ -297,7 +338,7 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
         for i in sorted(waiting):
             key = f"group/{step}/{i}"
             if store.check([key]):
-                version = int(st_load(store.get(key))["version"])
+                version = int(st_load(_take(store, key))["version"])
                 if not ready.add(Group(i, version), step):
                     raise RuntimeError(f"group {i} of step {step} was sampled by version {version}: too stale")
                 waiting.discard(i)

@@ -112,7 +112,19 @@ class CountTask:
 class JsonlTask:
     """Prompts and reference answers from a JSONL file; GSM8K-style answer extraction."""
 
-    def __init__(self, path: str, seed: int, eval_prompts: int):
+    def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = ""):
+        rows = self._read(path)
+        random.Random(seed).shuffle(rows)
+        if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
+            self.eval_set, self.rows = self._read(eval_path)[:eval_prompts], rows
+        else:
+            k = min(eval_prompts, len(rows) // 5)
+            self.eval_set, self.rows = rows[:k], rows[k:]
+        if not self.rows:
+            raise ValueError(f"{path}: no training prompts")
+
+    @classmethod
+    def _read(cls, path: str) -> list[Problem]:
         rows = []
         with open(path) as f:
             for n, line in enumerate(f, 1):
@@ -120,14 +132,10 @@ class JsonlTask:
                     continue
                 try:
                     r = json.loads(line)
-                    rows.append(Problem(str(r["prompt"]), self._reference(str(r["answer"]))))
+                    rows.append(Problem(str(r["prompt"]), cls._reference(str(r["answer"]))))
                 except (json.JSONDecodeError, KeyError) as e:
                     raise ValueError(f"{path}:{n}: expected {{\"prompt\": ..., \"answer\": ...}} ({e})") from e
-        random.Random(seed).shuffle(rows)
-        k = min(eval_prompts, len(rows) // 5)
-        self.eval_set, self.rows = rows[:k], rows[k:]
-        if not self.rows:
-            raise ValueError(f"{path}: no training prompts")
+        return rows
 
     @staticmethod
     def _reference(answer: str) -> str:
@@ -200,4 +208,4 @@ def held_out_accuracy(engine, task, tok, limit: int, rank: int = 0, world: int =
 def make_task(cfg: TaskConfig, seed: int):
     if cfg.name == "count":
         return CountTask(seed, cfg.eval_prompts)
-    return JsonlTask(cfg.path, seed, cfg.eval_prompts)
+    return JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path)

@@ -59,6 +59,19 @@ def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
     a.validate(1)
 
 
+def test_store_blobs_over_the_8_mib_store_limit_go_in_parts_and_are_dropped_whole():
+    from minirl.dist import free_port
+    from minirl.ppo import PART_BYTES, _drop, _put, _take
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, use_libuv=True)
+    blob = bytes(range(256)) * (9 * 2**20 // 256 + 7)  # 9 MiB: one set() of it is refused by the store
+    _put(store, "version/3", blob)
+    assert int(store.get("version/3")) == -(-len(blob) // PART_BYTES) and _take(store, "version/3") == blob
+    _drop(store, "version/3")
+    assert not store.check(["version/3"]) and not store.check(["version/3/0"])
+    _put(store, "version/4", b"")  # critic warmup: a version without weights
+    assert _take(store, "version/4") == b""
+
+
 def test_one_process_is_refused_naming_the_launch(tmp_path):
     p = run([sys.executable, "-m", "minirl.ppo", "--log.run-dir", str(tmp_path)], timeout=120)
     assert p.returncode == 2 and "--nproc-per-node" in p.stderr

@@ -51,6 +51,14 @@ def test_jsonl_task_gsm8k_answers(tmp_path):
     assert t.reward(f"{n}000 then 5", p.answer) == 0.0
 
 
+def test_jsonl_task_takes_held_out_prompts_from_a_separate_file(tmp_path):
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(10)))
+    test.write_text("\n".join(json.dumps({"prompt": f"t{i}", "answer": f"#### {i}"}) for i in range(6)))
+    t = JsonlTask(str(train), seed=0, eval_prompts=4, eval_path=str(test))
+    assert len(t.rows) == 10 and [p.prompt for p in t.eval_set] == ["t0", "t1", "t2", "t3"]
+
+
 def test_prompt_over_the_budget_is_an_error_not_cut():
     from minirl.models import load_tokenizer, resolve_path
     from minirl.config import ModelConfig
