@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo
+	$(BIN)/python -m minirl.plot runs/demo
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -53,6 +53,8 @@ class RolloutConfig:
     """Most completion tokens sampled per sequence."""
     max_prompt_tokens: int = 32
     """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
+    min_tokens: int = 0
+    """Fewest completion tokens (EOS is suppressed before that); benchmarks set it to --rollout.max-tokens."""
     temperature: float = 1.0
     """Sampling temperature."""
     kv_cache_gib: float = 1.0
@@ -253,6 +255,9 @@ def _check_run(args) -> None:
     """The checks GRPO and PPO share: sampling, task file, checkpoint flags."""
     if not 0.0 < args.rollout.temperature:
         raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
+    if not 0 <= args.rollout.min_tokens <= args.rollout.max_tokens:
+        raise ConfigError(f"--rollout.min-tokens={args.rollout.min_tokens} must be in [0, --rollout.max-tokens="
+                          f"{args.rollout.max_tokens}]")
     if args.task.name == "jsonl" and not os.path.isfile(args.task.path):
         raise ConfigError(f"--task.path={args.task.path!r} is not a file; give a JSONL prompt file "
                           "or use --task.name count")

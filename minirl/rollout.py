@@ -127,6 +127,7 @@ class Engine:
                 reqs.append(TokensPrompt(prompt_token_ids=list(toks)))
                 params.append(SamplingParams(
                     max_tokens=max_tokens or self.cfg.max_tokens, logprobs=0,
+                    min_tokens=0 if greedy else self.cfg.min_tokens,
                     temperature=0.0 if greedy else self.cfg.temperature,
                     seed=None if greedy else request_seed(self.seed, pid, j)))
                 pids.append(pid)

