@@ -6,7 +6,8 @@ is what fixes the OOM"), through the real update path (grpo.update, FSDP2 world 
 
 --budget-mib caps the address space this process may ADD after the model and batch are built
 (RLIMIT_AS = current size + budget), so a step that needs more fails with an out-of-memory error.
-Prints one JSON line per configuration: {"n_micro", "peak_mib" (RSS growth over the step), "grad_diff"}.
+Prints one JSON line per configuration: {"n_micro", "peak_mib" (RSS growth over the step), "step_s",
+"floor_s" (6N FLOPs per token over this process's measured matmul rate), "grad_diff_vs_first"}.
 """
 
 import argparse
@@ -14,6 +15,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import torch
 
@@ -25,6 +27,9 @@ from minirl.config import GRPOArgs, ModelConfig  # noqa: E402
 from minirl.grpo import Probe, update  # noqa: E402
 from minirl.models import load_policy, resolve_path  # noqa: E402
 from minirl.rollout import Samples  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import matmul_flops_per_s  # noqa: E402
 
 
 def batch(rows: int, completion: int) -> dict:
@@ -64,21 +69,25 @@ def one_step(path, n_micro, rows, completion, budget_mib=None):
     before = rss_mib()
     if budget_mib is not None:
         resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + budget_mib * 2**20, resource.RLIM_INFINITY))
+    t0 = time.perf_counter()
     update(policy, None, acc, store, args, Probe(policy), ahead=False)
-    return rss_mib() - before, grads
+    tokens = int(b["input_ids"].numel())
+    flops = 6 * sum(p.numel() for p in policy.parameters()) * tokens
+    return rss_mib() - before, grads, {"step_s": time.perf_counter() - t0, "floor_s": flops / matmul_flops_per_s(
+        threads=torch.get_num_threads())}
 
 
 def worker(a) -> None:
     """One configuration in this process (a peak RSS is a per-process high-water mark)."""
     try:
-        peak, grads = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib)
+        peak, grads, timing = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib)
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
             raise
         print(json.dumps({"n_micro": a.worker, "oom": True, "error": str(e)[:200]}), flush=True)
         sys.exit(3)
     torch.save(grads, a.grads)
-    print(json.dumps({"n_micro": a.worker, "peak_mib": round(peak, 1)}), flush=True)
+    print(json.dumps({"n_micro": a.worker, "peak_mib": round(peak, 1), **timing}), flush=True)
 
 
 def main():

@@ -1,7 +1,8 @@
 """Streaming vs full-batch PPO: per-step wall time and the tail, side by side in one run.
 
-    python bench/streaming.py                 # about 4 minutes on 2 CPU cores
+    python bench/streaming.py                 # about 5 minutes on 2 CPU cores
     python bench/streaming.py --repeats 3 --steps 8
+    python bench/streaming.py --hidden 256 --layers 4 --critic-epochs 2 --max-tokens 96 --name streaming_train_bound
 
 Both arms run `torchrun --nproc-per-node 2 -m minirl.ppo` (one rollout rank, one train rank, the
 real vLLM engine) on the same seed, model and task; only --async-rl.min-groups-for-streaming-train
@@ -9,6 +10,9 @@ differs (2 = streaming, P = full batch). Arms alternate (S, F, S, F, ...) so mac
 both. Completion lengths are skewed on purpose: the tiny model without its warm start stops at a
 random point (EOS is one token among the vocabulary), so lengths spread from 1 to --max-tokens.
 Lookahead 0: step s's groups are sampled by policy s, so all the overlap comes from streaming.
+The policy's learning rate is 1e-12 by default: its weights do not move in float32, so with the
+fixed per-request seeds both arms sample exactly the same completions and do exactly the same
+work; only the schedule differs (the critic still trains, at its usual rate).
 
 Per step (the first step of each run is dropped: it includes the engine's start):
 - step_s: wall time of one step on the train rank.
@@ -33,14 +37,18 @@ from common import matmul_flops_per_s, median, metrics, param_count, run, table,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--min-groups", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--critic-epochs", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--critic-epochs", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-12,
+                    help="policy lr; the default keeps the policy (and so, through the fixed per-request seeds, "
+                         "every completion) the same in both arms, so they differ in schedule only")
+    ap.add_argument("--name", default="streaming", help="results file: bench/results/NAME.json")
     a = ap.parse_args()
     model = ["--model.tiny.warm-start-steps", "0", "--model.tiny.hidden-size", str(a.hidden),
              "--model.tiny.num-layers", str(a.layers), "--model.tiny.num-heads", str(a.hidden // 64),
@@ -48,7 +56,7 @@ def main() -> None:
     common = [*model, "--steps", str(a.steps), "--ppo.num-prompts-per-step", str(a.prompts),
               "--ppo.num-generations-per-prompt", str(a.generations), "--rollout.max-tokens", str(a.max_tokens),
               "--ppo.critic-ppo-epochs", str(a.critic_epochs), "--async-rl.sampler.max-lookahead-versions", "0",
-              "--async-rl.rollout-groups-per-call", "2", "--log.eval-every", "0"]
+              "--async-rl.rollout-groups-per-call", "2", "--log.eval-every", "0", "--ppo.lr", str(a.lr)]
     arms = {"streaming": str(a.min_groups), "full_batch": str(a.prompts)}
     steps: dict[str, list[dict]] = {k: [] for k in arms}
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +86,7 @@ def main() -> None:
     ratio = out["streaming"]["step_s"] / out["full_batch"]["step_s"]
     print(table(["arm", "step_s", "tail_s", "ideal_tail_s", "tail/ideal", "chunks", "floor_s"], rows))
     print(f"streaming / full batch, median step time: {ratio:.3f}  (matmul rate {rate / 1e9:.1f} GFLOP/s)")
-    print(write("streaming", {"args": vars(a), "matmul_flops_per_s": rate, "arms": out,
+    print(write(a.name, {"args": vars(a), "matmul_flops_per_s": rate, "arms": out,
                               "streaming_over_full_batch_step_time": ratio}))
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import matmul_flops_per_s, median, metrics, param_count, run, table, write  # noqa: E402
 
-SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536)
+SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536, max_positions=512)
 PROMPTS, G = 8, 8
 
 
@@ -109,22 +109,34 @@ def main() -> None:
                  "--rl.batch-per-replica", str(PROMPTS * G), "--rl.group-size", str(G), "--rl.lr", str(a.lr),
                  "--rollout.max-tokens", str(a.completion), "--rollout.min-tokens", str(a.completion),
                  "--log.eval-every", "0", "--log.run-dir", d])
-            recs = metrics(d)[1:]
-            res["minirl"]["step_s"] += [r["time/step"] for r in recs]
-            res["minirl"]["tokens"] += [r["completion_len_mean"] * PROMPTS * G for r in recs]
-            print(f"  minirl run {rep}: {median(r['time/step'] for r in recs):.1f} s/step", flush=True)
+            add_minirl(res, d)
+            print(f"  minirl run {rep}: {median(res['minirl']['step_s']):.1f} s/step", flush=True)
             out = os.path.join(tmp, f"trl{rep}.json")
             run([sys.executable, __file__, "--trl-worker", out, "--steps", str(a.steps), "--completion",
                  str(a.completion), "--lr", str(a.lr)], timeout=7200)
-            t = json.load(open(out))
-            res["trl"]["step_s"] += t["step_s"][1:]
-            res["trl"]["tokens"] += t["completion_tokens"][1:]
-            print(f"  TRL run {rep}: {median(t['step_s'][1:]):.1f} s/step", flush=True)
+            add_trl(res, out)
+            print(f"  TRL run {rep}: {median(res['trl']['step_s']):.1f} s/step", flush=True)
+            summarize(res, vars(a), a.completion)  # after every repeat: a stopped run keeps what it measured
+
+
+def add_minirl(res: dict, run_dir: str) -> None:
+    recs = metrics(run_dir)[1:]  # the first step warms up
+    res["minirl"]["step_s"] += [r["time/step"] for r in recs]
+    res["minirl"]["tokens"] += [r["completion_len_mean"] * PROMPTS * G for r in recs]
+
+
+def add_trl(res: dict, path: str) -> None:
+    t = json.load(open(path))
+    res["trl"]["step_s"] += t["step_s"][1:]
+    res["trl"]["tokens"] += t["completion_tokens"][1:]
+
+
+def summarize(res: dict, args: dict, completion: int) -> None:
     rate = matmul_flops_per_s()
     p = param_count(SHAPE["hidden_size"], SHAPE["num_layers"], SHAPE["num_heads"], SHAPE["num_kv_heads"],
                     SHAPE["intermediate_size"], 50)
     prompt_tokens = 8  # the counting task's prompts are 4-12 characters
-    seq = PROMPTS * G * (a.completion + prompt_tokens)
+    seq = PROMPTS * G * (completion + prompt_tokens)
     floor = (2 * p["dense"] * seq + 6 * p["dense"] * seq) / rate
     out, rows = {}, []
     for name, r in res.items():
@@ -138,7 +150,7 @@ def main() -> None:
     tput = out["minirl"]["generated_tokens_per_s"] / out["trl"]["generated_tokens_per_s"]
     print(f"TRL s/step over minirl s/step: {speed:.2f}; minirl tokens/s over TRL tokens/s: {tput:.2f}; "
           f"FLOP floor {floor:.1f} s/step ({p['dense'] / 1e6:.1f}M matmul parameters, {rate / 1e9:.0f} GFLOP/s)")
-    print(write("vs_trl", {"args": vars(a), "shape": SHAPE, "arms": out, "trl_over_minirl_step_time": speed,
+    print(write("vs_trl", {"args": args, "shape": SHAPE, "arms": out, "trl_over_minirl_step_time": speed,
                            "minirl_over_trl_tokens_per_s": tput, "floor_s": floor, "matmul_flops_per_s": rate}))
 
 

@@ -6,7 +6,7 @@
 Each size runs in its own process with the real vLLM engine and the trainer's FSDP2 policy:
 - colocated: `Engine.load_weights(dist.full_parameters(policy))`, what `HandOff.publish` does;
 - disaggregated: what `ppo.StoreGroups.refit` + `ppo._catch_up` do: gather, safetensors bytes,
-  TCPStore set and get (localhost), parse, `Engine.load_weights`.
+  TCPStore set and get in 4 MiB parts (`ppo._put` / `_take`, localhost), parse, `Engine.load_weights`.
 The two paths alternate per repeat; medians over the repeats. The ratio is disaggregated over
 colocated time: the price of crossing the store instead of handing tensors over in memory.
 """
@@ -32,6 +32,7 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
 
     from minirl import dist, models
     from minirl.config import ModelConfig, RolloutConfig, TinyModelConfig
+    from minirl.ppo import _drop, _put, _take
     from minirl.rollout import Engine
 
     world = dist.init()
@@ -41,7 +42,7 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
     policy = dist.shard(models.load_policy(path), world, torch.float32)
     nbytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     engine = Engine(path, RolloutConfig(), 64)
-    store = torch.distributed.TCPStore("127.0.0.1", dist.free_port(), 1, is_master=True)
+    store = torch.distributed.TCPStore("127.0.0.1", dist.free_port(), 1, is_master=True, use_libuv=True)
     times = {"colocated": [], "disaggregated": []}
     try:
         for i in range(repeats + 1):
@@ -49,9 +50,9 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
             engine.load_weights(dist.full_parameters(policy))
             t1 = time.perf_counter()
             state = {n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy)}
-            store.set(f"version/{i}", st_save(state))
-            engine.load_weights(st_load(store.get(f"version/{i}")).items())
-            store.delete_key(f"version/{i}")
+            _put(store, f"version/{i}", st_save(state))
+            engine.load_weights(st_load(_take(store, f"version/{i}")).items())
+            _drop(store, f"version/{i}")
             t2 = time.perf_counter()
             if i:  # the first round warms allocations
                 times["colocated"].append(t1 - t0)

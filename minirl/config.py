@@ -34,6 +34,8 @@ class TinyModelConfig:
     """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 256
     """MLP width."""
+    max_positions: int = 256
+    """Longest sequence (prompt + completion) the model takes (max_position_embeddings)."""
     warm_start_steps: int = 8
     """Supervised steps on the built-in task before saving (deliberately few: RL has to do the rest)."""
 

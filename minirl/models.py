@@ -69,7 +69,7 @@ def build_tiny(shape: TinyModelConfig) -> str:
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=256, tie_word_embeddings=True,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_positions, tie_word_embeddings=True,
         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         rope_theta=10000.0, dtype="float32")
     with torch.random.fork_rng():

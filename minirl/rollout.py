@@ -39,6 +39,10 @@ def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag
         hf = json.load(f)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    limit = hf.get("max_position_embeddings")
+    if limit and max_model_len > limit:
+        raise ConfigError(f"--rollout.max-prompt-tokens + --rollout.max-tokens = {max_model_len} tokens is over the "
+                          f"model's {limit} positions; lower them (the built-in model: raise --model.tiny.max-positions)")
     on_cpu = not torch.cuda.is_available()
     if on_cpu and head_dim not in CPU_HEAD_DIMS:
         raise ConfigError(f"{head_dim_flag}: head_dim {head_dim} (hidden_size {hf['hidden_size']} / {heads} heads) "

@@ -133,3 +133,5 @@ def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):
         check_model(tiny_path, RolloutConfig(kv_cache_gib=1000), 64)
     with pytest.raises(ConfigError, match="--rollout.kv-cache-gib"):
         check_model(tiny_path, RolloutConfig(kv_cache_gib=1e-9), 64)
+    with pytest.raises(ConfigError, match="over the model's 256 positions"):
+        check_model(tiny_path, RolloutConfig(), 288)  # vLLM would refuse it only after loading the model
