@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
             mine = sorted({keys[i][0] for i in dp_partition(keys, world.rank, dp)})
             problems = {pid: task.train_problem(pid) for pid in mine}
             prompts = [encode_prompt(tok, problems[pid].prompt, args.rollout.max_prompt_tokens) for pid in mine]
-            with log.phase("generate"):
+            first = f"step {step}: sampling {len(mine)} prompt(s) x {G} on this rank" if step == start else ""
+            with log.phase("generate", announce=first):  # later steps report through their step line
                 samples = engine.generate(prompts, mine, G)
             profile.mark("generate")
 
