@@ -77,8 +77,8 @@ class TrainerOffload:
             if name is not None:
                 raise RuntimeError(f"offload: the gradients share storage with parameter {name!r}, so this trainer "
                                    "cannot keep gradients resident while its parameters are offloaded (spec "
-                                   "ppo-streaming \"support limits\"); give gradients their own storage or set "
-                                   "--async-rl.min-groups-for-streaming-train to --ppo.num-prompts-per-step")
+                                   "ppo-streaming \"support limits\"); give gradients their own storage, as "
+                                   "minirl's FSDP2 trainer does (dist.shard)")
 
     @torch.no_grad()
     def onload(self) -> None:
