@@ -69,6 +69,16 @@ def param_count(hidden: int, layers: int, heads: int, kv_heads: int, intermediat
     return {"dense": layers * (attn + mlp) + hidden * vocab, "embedding": hidden * vocab}
 
 
+def untrained_tiny(hidden: int, layers: int) -> tuple[list[str], int]:
+    """Flags for the built-in tiny model at this size WITHOUT its warm start (it stops at a random
+    point, so completion lengths are skewed), and its matmul parameter count (head_dim 64, 1 KV
+    head, MLP 2x hidden, the 50-symbol character vocabulary)."""
+    flags = ["--model.tiny.warm-start-steps", "0", "--model.tiny.hidden-size", str(hidden),
+             "--model.tiny.num-layers", str(layers), "--model.tiny.num-heads", str(hidden // 64),
+             "--model.tiny.intermediate-size", str(2 * hidden)]
+    return flags, param_count(hidden, layers, hidden // 64, 1, 2 * hidden, 50)["dense"]
+
+
 def write(name: str, payload: dict) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")

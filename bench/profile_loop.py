@@ -28,7 +28,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import matmul_flops_per_s, median, param_count, run, table, write  # noqa: E402
+from common import matmul_flops_per_s, median, run, table, untrained_tiny, write  # noqa: E402
 
 GROUPS = {
     "generate": ["generate"], "score": ["score"], "optimizer": [], "forward/backward": ["train"],
@@ -56,10 +56,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=96)
     a = ap.parse_args()
+    model, n = untrained_tiny(a.hidden, a.layers)
     with tempfile.TemporaryDirectory() as d:
-        run([sys.executable, "-m", "minirl.grpo", "--steps", str(a.steps), "--model.tiny.warm-start-steps", "0",
-             "--model.tiny.hidden-size", str(a.hidden), "--model.tiny.num-layers", str(a.layers),
-             "--model.tiny.num-heads", str(a.hidden // 64), "--model.tiny.intermediate-size", str(2 * a.hidden),
+        run([sys.executable, "-m", "minirl.grpo", "--steps", str(a.steps), *model,
              "--rl.batch-per-replica", str(a.batch), "--rl.group-size", "4", "--rollout.max-tokens",
              str(a.max_tokens), "--checkpoint.every", "2", "--log.eval-every", "3", "--log.run-dir", d],
             env={"MINIRL_PROFILE_LOOP": "1"})
@@ -69,7 +68,6 @@ def main() -> None:
     med = {k: median(p[k] for p in parts) for k in keys + ["step"]}
     mean = {k: sum(p[k] for p in parts) / len(parts) for k in keys + ["step"]}
     rate = matmul_flops_per_s()
-    n = param_count(a.hidden, a.layers, a.hidden // 64, 1, 2 * a.hidden, 50)["dense"]
     tokens = median(r["completion_len_mean"] * a.batch for r in recs)
     from minirl.tasks import CountTask  # the char tokenizer: one token per non-space character
     prompt = median(len(CountTask(0, 0).train_problem(i).prompt.replace(" ", "")) for i in range(64))

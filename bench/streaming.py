@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import matmul_flops_per_s, median, metrics, param_count, run, table, torchrun, write  # noqa: E402
+from common import matmul_flops_per_s, median, metrics, run, table, torchrun, untrained_tiny, write  # noqa: E402
 
 
 def main() -> None:
@@ -50,9 +50,7 @@ def main() -> None:
                          "every completion) the same in both arms, so they differ in schedule only")
     ap.add_argument("--name", default="streaming", help="results file: bench/results/NAME.json")
     a = ap.parse_args()
-    model = ["--model.tiny.warm-start-steps", "0", "--model.tiny.hidden-size", str(a.hidden),
-             "--model.tiny.num-layers", str(a.layers), "--model.tiny.num-heads", str(a.hidden // 64),
-             "--model.tiny.intermediate-size", str(2 * a.hidden)]
+    model, n = untrained_tiny(a.hidden, a.layers)
     common = [*model, "--steps", str(a.steps), "--ppo.num-prompts-per-step", str(a.prompts),
               "--ppo.num-generations-per-prompt", str(a.generations), "--rollout.max-tokens", str(a.max_tokens),
               "--ppo.critic-ppo-epochs", str(a.critic_epochs), "--async-rl.sampler.max-lookahead-versions", "0",
@@ -69,7 +67,6 @@ def main() -> None:
                 steps[name] += got
                 print(f"  {name} run {rep}: step_s {median(r['time/step'] for r in got):.2f}", flush=True)
     rate = matmul_flops_per_s()
-    n = param_count(a.hidden, a.layers, a.hidden // 64, 1, 2 * a.hidden, 50)["dense"]
     out, rows = {}, []
     for name, recs in steps.items():
         tokens = median((r["prompt_len_mean"] + r["completion_len_mean"]) * a.prompts * a.generations for r in recs)
