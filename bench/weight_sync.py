@@ -5,8 +5,8 @@
 
 Each size runs in its own process with the real vLLM engine and the trainer's FSDP2 policy:
 - colocated: `Engine.load_weights(dist.full_parameters(policy))`, what `HandOff.publish` does;
-- disaggregated: what `ppo.StoreGroups.refit` + `ppo._catch_up` do: gather, safetensors bytes,
-  TCPStore set and get in 4 MiB parts (`ppo._put` / `_take`, localhost), parse, `Engine.load_weights`.
+- disaggregated: what `placement.StoreGroups.refit` + `placement._catch_up` do: gather, safetensors bytes,
+  TCPStore set and get in 4 MiB parts (`placement.put` / `take`, localhost), parse, `Engine.load_weights`.
 The two paths alternate per repeat; medians over the repeats. The ratio is disaggregated over
 colocated time: the price of crossing the store instead of handing tensors over in memory.
 """
@@ -32,7 +32,7 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
 
     from minirl import dist, models
     from minirl.config import ModelConfig, RolloutConfig, TinyModelConfig
-    from minirl.ppo import _drop, _put, _take
+    from minirl.placement import drop, put, take
     from minirl.rollout import Engine
 
     world = dist.init()
@@ -50,9 +50,9 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
             engine.load_weights(dist.full_parameters(policy))
             t1 = time.perf_counter()
             state = {n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy)}
-            _put(store, f"version/{i}", st_save(state))
-            engine.load_weights(st_load(_take(store, f"version/{i}")).items())
-            _drop(store, f"version/{i}")
+            put(store, f"version/{i}", st_save(state))
+            engine.load_weights(st_load(take(store, f"version/{i}")).items())
+            drop(store, f"version/{i}")
             t2 = time.perf_counter()
             if i:  # the first round warms allocations
                 times["colocated"].append(t1 - t0)

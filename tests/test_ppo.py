@@ -61,15 +61,15 @@ def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
 
 def test_store_blobs_over_the_8_mib_store_limit_go_in_parts_and_are_dropped_whole():
     from minirl.dist import free_port
-    from minirl.ppo import PART_BYTES, _drop, _put, _take
+    from minirl.placement import PART_BYTES, drop, put, take
     store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, use_libuv=True)
     blob = bytes(range(256)) * (9 * 2**20 // 256 + 7)  # 9 MiB: one set() of it is refused by the store
-    _put(store, "version/3", blob)
-    assert int(store.get("version/3")) == -(-len(blob) // PART_BYTES) and _take(store, "version/3") == blob
-    _drop(store, "version/3")
+    put(store, "version/3", blob)
+    assert int(store.get("version/3")) == -(-len(blob) // PART_BYTES) and take(store, "version/3") == blob
+    drop(store, "version/3")
     assert not store.check(["version/3"]) and not store.check(["version/3/0"])
-    _put(store, "version/4", b"")  # critic warmup: a version without weights
-    assert _take(store, "version/4") == b""
+    put(store, "version/4", b"")  # critic warmup: a version without weights
+    assert take(store, "version/4") == b""
 
 
 def test_one_process_is_refused_naming_the_launch(tmp_path):

@@ -1,0 +1,315 @@
+"""Where PPO's groups come from: the two placements behind `ppo.train` (spec/ppo-streaming.md, S13, S23).
+
+The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
+(yields (groups taken, this rank's group tensors)), `refit(version, policy)`, `release(step)`,
+`evals(version)`, `save(fn)`; and `start`, `stop`, `cleanup`, `close` around the run.
+
+- disaggregated (`StoreGroups` on the train ranks, `rollout_rank` on the others): ranks [0, R)
+  only generate; ranks [R, N) only train. Rollout rank r generates the step's groups i with
+  i % R == r, a few groups per vLLM call, so groups finish in waves; each finished group (token
+  ids, engine logprobs, rewards, the policy version that sampled it) goes to a TCPStore at once.
+  Before sampling step s it waits for policy version >= s - max_lookahead_versions (S23) and
+  loads those weights. The controller (train rank 0) polls for ready groups, asks the sampler for
+  the next chunk (tail-aware selection, S16) and tells the other train ranks which groups it took.
+- colocated (`EngineGroups`, full batch only): every rank generates its share of the step's
+  groups with its own engine, which then sleeps through the whole update; the refit after critic
+  training wakes it (S13).
+
+Weights and groups cross the store as safetensors bytes, in parts (`put`, `take`): nothing is
+unpickled. On GPUs this transfer should move to NCCL (ENV-NOTES.md); the store keeps the CPU path
+simple and real. Shapes: P prompts, G samples per prompt, rows = groups x G.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from minirl import dist, models
+from minirl.config import PPOArgs
+from minirl.offload import HandOff
+from minirl.rollout import Engine, Samples
+from minirl.sampler import Group, ReadyGroups
+from minirl.tasks import encode_prompt, held_out_accuracy, make_task, prompt_id
+
+POLL_S = 0.005
+
+
+# ---- disaggregated: groups and weights cross a TCPStore ----
+
+class StoreGroups:
+    """The train side of disaggregated placement. Keys: `start` (the step a run begins at),
+    `version/{v}` (policy weights, safetensors; empty = unchanged), `group/{s}/{i}` (one group's
+    samples), `loaded/{r}` (the version rollout rank r holds), `eval/{v}`, `stop`. Blobs are
+    stored in parts (`put`); versions every rollout rank has moved past are dropped."""
+
+    colocated = False
+
+    def __init__(self, args: PPOArgs, store, world: dist.World):
+        self.args, self.store, self.world = args, store, world
+        self.next_eval = 0
+        self.t_all_ready = 0.0  # controller: when the step's last group became ready
+        self.published: list[int] = []  # policy versions still in the store
+
+    def start(self, step: int, policy, offload) -> None:
+        if step:  # resumed: the rollout ranks start from the restored weights
+            self.refit(step, policy)
+        if self.world.is_main:
+            self.store.set("start", str(step))
+        every = self.args.log.eval_every
+        self.next_eval = math.ceil(step / every) * every if every else 0
+
+    def chunks(self, step: int, ready: ReadyGroups):
+        waiting, dp = set(range(ready.num_prompts)), self.world.world_size
+        self.t_all_ready = 0.0
+        while ready.remaining:
+            taken = _next_chunk(self.store, ready, waiting, step, self.world)  # (groups,) on every rank
+            if not waiting and not self.t_all_ready:
+                self.t_all_ready = time.perf_counter()
+            if not taken:
+                time.sleep(POLL_S)  # the value model stays resident across empty selections (S12)
+                continue
+            yield len(taken), [st_load(take(self.store, f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
+
+    def refit(self, version: int, policy) -> None:
+        """Gather the full policy (a collective over the train ranks) and hand it to the rollout ranks."""
+        state = {n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy)} if policy is not None else None
+        if not self.world.is_main:
+            return
+        put(self.store, f"version/{version}", st_save(state) if state is not None else b"")
+        self.published.append(version)
+        # Drop the versions every rollout rank has moved past: the store must not grow with the run.
+        loaded = [int(self.store.get(k)) if self.store.check([k]) else 0
+                  for k in (f"loaded/{r}" for r in range(self.args.grid.rollout_ranks))]
+        while self.published and self.published[0] < min(loaded):
+            drop(self.store, f"version/{self.published.pop(0)}")
+
+    def release(self, step: int) -> None:
+        if self.world.is_main:
+            for i in range(self.args.ppo.num_prompts_per_step):
+                drop(self.store, f"group/{step}/{i}")
+
+    def evals(self, version: int) -> dict:
+        """The newest held-out accuracy the rollout side has posted (it scores versions asynchronously)."""
+        out = {}
+        while self.world.is_main and self.args.log.eval_every and self.store.check([f"eval/{self.next_eval}"]):
+            out = {"eval_accuracy": float(self.store.get(f"eval/{self.next_eval}")), "eval_version": self.next_eval}
+            self.next_eval += self.args.log.eval_every
+        return out
+
+    def final_eval(self, steps: int) -> dict:
+        if not (self.world.is_main and self.args.log.eval_every):
+            return {}
+        self.store.wait([f"eval/{steps}"])
+        return {"eval_accuracy": float(self.store.get(f"eval/{steps}")), "eval_version": steps}
+
+    def save(self, fn) -> None:
+        fn()
+
+    def stop(self) -> None:
+        if self.world.is_main:
+            self.store.set("stop", b"1")  # lets the rollout ranks leave their waits
+
+    def cleanup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_len: int) -> None:
+    P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
+    task = make_task(args.task, args.seed)
+    tok = models.load_tokenizer(path)
+    engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed, private=True)
+    limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
+    try:
+        start = int(store.get("start"))  # waits for the trainer to build (and maybe restore) its models
+        version = max(start - 1, 0)      # a resumed run's weights arrive as version/{start}
+        for step in range(start, args.steps):
+            version = _catch_up(engine, store, version, step - args.async_rl.sampler.max_lookahead_versions, roles)
+            if version is None:
+                return  # the trainer stopped early (--log.target-eval-accuracy)
+            if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
+                store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
+            mine = [i for i in range(P) if i % R == roles.global_rank]
+            k = args.async_rl.rollout_groups_per_call
+            for first in range(0, len(mine), k):
+                for i, group in _generate(engine, task, tok, mine[first:first + k], step, args, version):
+                    put(store, f"group/{step}/{i}", st_save(group))
+        if _catch_up(engine, store, version, args.steps, roles) is None:  # the last refit, then the final eval
+            return
+        if roles.global_rank == 0 and every:
+            store.set(f"eval/{args.steps}", str(held_out_accuracy(engine, task, tok, limit)))
+        store.wait(["stop"])  # global rank 0 hosts the store: it must outlive the trainer's last use of it
+    finally:
+        engine.close()
+
+
+def _catch_up(engine: Engine, store, version: int, need: int, roles: dist.Roles) -> int | None:
+    """Wait until policy version >= `need` is published, then load the newest one (a version
+    published during critic warmup carries no weights: the newest one that does is loaded).
+    Returns the version now in the engine, or None once the trainer stopped."""
+    while True:
+        latest = version
+        while store.check([f"version/{latest + 1}"]):
+            latest += 1
+        if latest >= need:
+            break
+        if store.check(["stop"]):
+            return None
+        time.sleep(POLL_S)
+    for v in range(latest, version, -1):
+        blob = take(store, f"version/{v}")
+        if blob:
+            engine.load_weights(st_load(blob).items())
+            break
+    if latest > version:
+        store.set(f"loaded/{roles.global_rank}", str(latest))  # the trainer may now drop older versions
+    return latest
+
+
+# The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.
+PART_BYTES = 4 << 20
+
+
+def put(store, key: str, blob: bytes) -> None:
+    parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)]
+    for k, part in enumerate(parts):
+        store.set(f"{key}/{k}", part)
+    store.set(key, str(len(parts)))  # present = complete
+
+
+def take(store, key: str) -> bytes:
+    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
+
+
+def drop(store, key: str) -> None:
+    n = int(store.get(key))
+    store.delete_key(key)
+    for k in range(n):
+        store.delete_key(f"{key}/{k}")
+
+
+def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.World) -> list[int]:
+    """Controller: poll the store and ask the sampler; every train rank gets the same answer."""
+    taken = torch.full((ready.num_prompts,), -1, dtype=torch.long)
+    if world.is_main:
+        for i in sorted(waiting):
+            key = f"group/{step}/{i}"
+            if store.check([key]):
+                version = int(st_load(take(store, key))["version"])
+                if not ready.add(Group(i, version), step):
+                    raise RuntimeError(f"group {i} of step {step} was sampled by version {version}: too stale")
+                waiting.discard(i)
+        chunk = [g.index for g in ready.take()]
+        taken[:len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+    if world.world_size > 1:
+        torch.distributed.broadcast(taken, src=0)
+        if not world.is_main:  # mirror the controller's bookkeeping
+            for i in taken[taken >= 0].tolist():
+                ready.claimed[i] = Group(i, -1)
+    return taken[taken >= 0].tolist()
+
+
+# ---- colocated full batch: every rank's own engine, asleep through the update ----
+
+class EngineGroups:
+    """Colocated placement (full batch only, config.PPOArgs.validate): each rank generates groups
+    i with i % dp == rank, then its engine sleeps (`HandOff.to_trainer`) until the refit that
+    follows critic training (`TrainPump` with refit_after_critic, S13)."""
+
+    colocated = True
+    t_all_ready = 0.0  # every group is ready before the update starts: no tail to measure
+
+    def __init__(self, args: PPOArgs, path: str, world: dist.World, max_model_len: int):
+        self.args, self.world = args, world
+        self.task = make_task(args.task, args.seed)
+        self.tok = models.load_tokenizer(path)
+        self.engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
+                             sleep_mode=args.ppo.colocated_offload)
+        self.handoff = None
+
+    def start(self, step: int, policy, offload) -> None:
+        policy_off = offload[0]
+        both = SimpleNamespace(offload=lambda: [o.offload() for o in offload],
+                               onload=lambda: [o.onload() for o in offload])
+        weights = lambda: (policy_off.onload(), dist.full_parameters(policy))[1]  # noqa: E731
+        self.handoff = HandOff(self.engine, both, weights, enabled=self.args.ppo.colocated_offload,
+                               sleep_level=self.args.rollout.sleep_level)
+        if step:
+            self.handoff.before_restore()
+            self.handoff.publish()  # the restored policy, before the first draw
+        else:
+            self.handoff.start_fresh()
+
+    def chunks(self, step: int, ready: ReadyGroups):
+        mine = [i for i in range(ready.num_prompts) if i % self.world.world_size == self.world.rank]
+        groups = [g for _, g in _generate(self.engine, self.task, self.tok, mine, step, self.args, step)]
+        self.handoff.to_trainer()  # generation pauses through both updates (S13)
+        ready.claimed.update({i: Group(i, step) for i in range(ready.num_prompts)})
+        yield ready.num_prompts, groups
+
+    def refit(self, version: int, policy) -> None:
+        self.handoff.publish()  # wakes the engine with the stepped policy (unchanged during critic warmup)
+
+    def release(self, step: int) -> None:
+        pass
+
+    def evals(self, version: int) -> dict:
+        """Held-out accuracy of `version` when it is due (a collective over the ranks)."""
+        every = self.args.log.eval_every
+        if not every or (version % every and version != self.args.steps):
+            return {}
+        acc = held_out_accuracy(self.engine, self.task, self.tok, self.args.rollout.max_prompt_tokens,
+                                self.world.rank, self.world.world_size)
+        return {"eval_accuracy": acc, "eval_version": version}
+
+    def final_eval(self, steps: int) -> dict:
+        return {}  # `evals` scored the last version already
+
+    def save(self, fn) -> None:
+        self.handoff.save_after_publication(fn)
+
+    def stop(self) -> None:
+        self.handoff.to_trainer()
+
+    def cleanup(self) -> None:
+        if self.handoff is not None:
+            self.handoff.cleanup()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# ---- shared by both placements ----
+
+def _generate(engine: Engine, task, tok, indices: list[int], step: int, args: PPOArgs, version: int):
+    """Sample G completions for the step's groups `indices`; yield (index, group tensors)."""
+    P, G = args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt
+    pids = [prompt_id(0, step * P + i) for i in indices]
+    problems = [task.train_problem(pid) for pid in pids]
+    prompts = [encode_prompt(tok, q.prompt, args.rollout.max_prompt_tokens) for q in problems]
+    s = engine.generate(prompts, pids, G)
+    texts = tok.batch_decode(s.completion_tokens, skip_special_tokens=True)
+    for j, i in enumerate(indices):
+        rows = slice(j * G, (j + 1) * G)
+        rewards = [task.reward(t, problems[j].answer) for t in texts[rows]]
+        yield i, _group(s, rows, rewards, version)
+
+
+def _group(s: Samples, rows: slice, rewards: list[float], version: int) -> dict[str, torch.Tensor]:
+    comps = s.completion_tokens[rows]
+    T = max(map(len, comps))
+    pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
+    return {"prompt": torch.tensor(s.prompt_tokens[rows.start]),
+            "completions": torch.tensor(pad(comps, 0)),
+            "lengths": torch.tensor([len(c) for c in comps]),
+            "logprobs": torch.tensor(pad(s.logprobs[rows], 0.0)),
+            "rewards": torch.tensor(rewards, dtype=torch.float32),
+            "version": torch.tensor(version)}
