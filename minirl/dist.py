@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import os
 import random
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -221,3 +222,12 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def sigterm_flag():
+    """SIGTERM (torchrun forwards it to every rank) asks for an emergency save at the next step
+    boundary. Returns a check that every rank of the default group calls at the same point; they
+    agree through a max all-reduce, so they all save and stop, or none does."""
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+    return lambda: bool(all_reduce(torch.tensor([float(bool(got))]), "max").item())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
                         loop_state={"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
 
-    stop = _sigterm_flag()
+    stop = dist.sigterm_flag()
     try:
         if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
             handoff.before_restore()
@@ -178,14 +177,6 @@ def main(argv: list[str] | None = None) -> dict:
         engine.close()
         log.close()
     return record
-
-
-def _sigterm_flag():
-    """SIGTERM (torchrun forwards it to every rank) asks for an emergency save at the next step
-    boundary; ranks agree through a max all-reduce so they all save, or none does."""
-    got = []
-    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
-    return lambda: bool(dist.all_reduce(torch.tensor([float(bool(got))]), "max").item())
 
 
 def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, probe: "Probe",

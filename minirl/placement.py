@@ -22,7 +22,9 @@ simple and real. Shapes: P prompts, G samples per prompt, rows = groups x G.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import time
 from types import SimpleNamespace
 
@@ -116,7 +118,10 @@ class StoreGroups:
             self.store.set("stop", b"1")  # lets the rollout ranks leave their waits
 
     def cleanup(self) -> None:
-        pass
+        """The trainer failed: let the rollout ranks leave their waits now rather than at a timeout."""
+        if self.world.is_main:
+            with contextlib.suppress(Exception):  # the store may be gone; never mask the real error
+                self.store.set("stop", b"1")
 
     def close(self) -> None:
         pass
@@ -128,6 +133,9 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     tok = models.load_tokenizer(path)
     engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed, private=True)
     limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
+    # SIGTERM reaches every rank at once: the trainer finishes its step (it needs this rank's groups),
+    # saves and sets `stop`; this rank keeps serving until then and hosts the store until the end.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         start = int(store.get("start"))  # waits for the trainer to build (and maybe restore) its models
         version = max(start - 1, 0)      # a resumed run's weights arrive as version/{start}

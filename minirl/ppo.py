@@ -93,6 +93,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             o.onload()
         checkpoint.save(args.checkpoint_dir, step + 1, parts, {}, args.checkpoint.keep)
 
+    stop, terminate = dist.sigterm_flag(), False
     try:
         source.start(start, policy, offload)
         first = source.evals(start)
@@ -133,8 +134,12 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             if source.t_all_ready:  # streaming's tail: last group ready -> update done (bench/streaming.py)
                 record["time/tail"] = t_closed - source.t_all_ready
             log.write(record)
-            if args.checkpoint.every and (step + 1) % args.checkpoint.every == 0:
+            terminate = stop()  # SIGTERM: an emergency save at this step boundary, then exit
+            if terminate or (args.checkpoint.every and (step + 1) % args.checkpoint.every == 0):
                 source.save(save)
+            if terminate:
+                log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
+                break
             target = args.log.target_eval_accuracy
             reached = target and record.get("eval_accuracy", 0.0) >= target
             if dist.all_reduce(torch.tensor([float(bool(reached))]), "max").item():  # every train rank stops
@@ -145,9 +150,10 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             if final:
                 log.write({"step": args.steps, **final})
         source.stop()
-        offload[1].offload()
-        offload[0].onload()
-        checkpoint.export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
+        if not terminate:
+            offload[1].offload()
+            offload[0].onload()
+            checkpoint.export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
     except BaseException:
         source.cleanup()
         raise

@@ -124,3 +124,29 @@ def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
     assert strip(a[2]) == strip(b[0])
     wa, wb = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path):
+    """SIGTERM to torchrun reaches every rank at once: the rollout rank keeps serving, the trainer
+    finishes its step, saves a complete checkpoint of the steps done (S11) and every rank exits."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import ROOT, TORCHRUN_VARS
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "minirl.ppo", *SMALL, "--steps", "500", "--async-rl.min-groups-for-streaming-train",
+                             "2", "--log.run-dir", str(tmp_path)], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and len(steps_logged(tmp_path) if metrics.exists() else []) < 2:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "SIGTERM: saved" in err, err[-3000:]
+    last = steps_logged(tmp_path)[-1]["step"]
+    ckpt = tmp_path / "checkpoints" / f"step_{last + 1:08d}"
+    assert os.listdir(tmp_path / "checkpoints") == [ckpt.name] and (ckpt / "COMPLETE").exists()
+    assert "SIGKILL" not in err  # nobody had to be killed: the rollout rank left at the trainer's stop
