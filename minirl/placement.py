@@ -142,7 +142,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         for step in range(start, args.steps):
             version = _catch_up(engine, store, version, step - args.async_rl.sampler.max_lookahead_versions, roles)
             if version is None:
-                return  # the trainer stopped early (--log.target-eval-accuracy)
+                return  # the trainer stopped early: --log.target-eval-accuracy, SIGTERM, or a failure
             if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
                 store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
             mine = [i for i in range(P) if i % R == roles.global_rank]
