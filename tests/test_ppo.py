@@ -126,18 +126,23 @@ def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path):
-    """SIGTERM to torchrun reaches every rank at once: the rollout rank keeps serving, the trainer
-    finishes its step, saves a complete checkpoint of the steps done (S11) and every rank exits."""
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path, placement):
+    """SIGTERM (to torchrun, which passes it on, or to the one colocated process): a rollout rank
+    keeps serving, the trainer finishes its step, saves a complete checkpoint of the steps done
+    (S11) and every rank exits."""
     import signal
     import subprocess
     import time
 
     from conftest import ROOT, TORCHRUN_VARS
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "minirl.ppo", *SMALL, "--steps", "500", "--async-rl.min-groups-for-streaming-train",
-                             "2", "--log.run-dir", str(tmp_path)], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+              if placement == "disaggregated" else [sys.executable])
+    mode = (["--async-rl.min-groups-for-streaming-train", "2"] if placement == "disaggregated" else
+            ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8"])
+    proc = subprocess.Popen([*launch, "-m", "minirl.ppo", *SMALL, "--steps", "500", *mode, "--log.run-dir",
+                             str(tmp_path)], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
@@ -150,3 +155,5 @@ def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path):
     ckpt = tmp_path / "checkpoints" / f"step_{last + 1:08d}"
     assert os.listdir(tmp_path / "checkpoints") == [ckpt.name] and (ckpt / "COMPLETE").exists()
     assert "SIGKILL" not in err  # nobody had to be killed: the rollout rank left at the trainer's stop
+    if placement == "colocated":
+        assert proc.returncode == 0
