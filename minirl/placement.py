@@ -119,9 +119,8 @@ class StoreGroups:
 
     def cleanup(self) -> None:
         """The trainer failed: let the rollout ranks leave their waits now rather than at a timeout."""
-        if self.world.is_main:
-            with contextlib.suppress(Exception):  # the store may be gone; never mask the real error
-                self.store.set("stop", b"1")
+        with contextlib.suppress(Exception):  # the store may be gone; never mask the real error
+            self.stop()
 
     def close(self) -> None:
         pass

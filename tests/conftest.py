@@ -64,3 +64,20 @@ def toy_lm(vocab: int = 11, hidden: int = 16, seed: int = 0) -> torch.nn.Module:
 def toy_logprobs(model, ids):
     lp = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(lp, (1, 0))
+
+
+def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300) -> tuple[int, str]:
+    """Start `cmd`, send it SIGTERM once `metrics` (a metrics.jsonl) holds `records` lines that
+    have a step's reward, and return (exit code, stderr)."""
+    import signal
+    import time
+    base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not os.path.exists(metrics) or
+                                      sum("reward_mean" in line for line in open(metrics)) < records):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err

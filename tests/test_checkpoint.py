@@ -4,15 +4,13 @@ partial checkpoints, SIGTERM's emergency save, and the colocated cycle as the re
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TORCHRUN_VARS, run
+from conftest import run, sigterm_after
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BASE = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--log.eval-every", "0", "--rl.deterministic",
@@ -78,17 +76,10 @@ def test_partial_and_corrupt_checkpoints_are_refused_by_name(straight, tmp_path)
 
 
 def test_sigterm_saves_and_exits(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    proc = subprocess.Popen([sys.executable, "-m", "minirl.grpo", *BASE, "--steps", "500", "--checkpoint.every", "0",
-                             "--log.run-dir", str(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    code, err = sigterm_after([sys.executable, "-m", "minirl.grpo", *BASE, "--steps", "500", "--checkpoint.every",
+                               "0", "--log.run-dir", str(tmp_path)], str(metrics), records=2)
+    assert code == 0, err[-3000:]
     last = json.loads(metrics.read_text().strip().splitlines()[-1])["step"]
     assert os.listdir(tmp_path / "checkpoints") == [f"step_{last + 1:08d}"]
     assert "SIGTERM" in err

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run
+from conftest import run, sigterm_after
 from minirl.config import ConfigError, PPOArgs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -131,29 +131,16 @@ def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path, placement):
     """SIGTERM (to torchrun, which passes it on, or to the one colocated process): a rollout rank
     keeps serving, the trainer finishes its step, saves a complete checkpoint of the steps done
     (S11) and every rank exits."""
-    import signal
-    import subprocess
-    import time
-
-    from conftest import ROOT, TORCHRUN_VARS
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
               if placement == "disaggregated" else [sys.executable])
     mode = (["--async-rl.min-groups-for-streaming-train", "2"] if placement == "disaggregated" else
             ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8"])
-    proc = subprocess.Popen([*launch, "-m", "minirl.ppo", *SMALL, "--steps", "500", *mode, "--log.run-dir",
-                             str(tmp_path)], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and len(steps_logged(tmp_path) if metrics.exists() else []) < 2:
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    code, err = sigterm_after([*launch, "-m", "minirl.ppo", *SMALL, "--steps", "500", *mode, "--log.run-dir",
+                               str(tmp_path)], str(tmp_path / "metrics.jsonl"), records=2)
     assert "SIGTERM: saved" in err, err[-3000:]
     last = steps_logged(tmp_path)[-1]["step"]
     ckpt = tmp_path / "checkpoints" / f"step_{last + 1:08d}"
     assert os.listdir(tmp_path / "checkpoints") == [ckpt.name] and (ckpt / "COMPLETE").exists()
     assert "SIGKILL" not in err  # nobody had to be killed: the rollout rank left at the trainer's stop
     if placement == "colocated":
-        assert proc.returncode == 0
+        assert code == 0
