@@ -11,7 +11,11 @@ fp32 master weights), it measures:
 2. micro-batching memory at long completions: one policy step un-chunked vs n_micro 2/4/8
    (accumulator.Accumulator), peak allocated memory and the max gradient difference to un-chunked;
 3. offload/onload (offload.TrainerOffload): seconds, device memory released, bit-exact round trip;
-4. determinism mode (dist.set_deterministic): the same step twice gives equal gradients.
+4. determinism mode (dist.set_deterministic): the same step twice gives equal gradients;
+5. float32 master weights (dist.shard): after a step with bf16 compute, every local parameter,
+   gradient and AdamW state is float32 and the decoder computes in bf16;
+6. the chunked logprob head (models.token_logprobs) against the plain full-vocabulary
+   log-softmax at vocab 151,936: value and gradient differences, and peak memory of each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from minirl import dist  # noqa: E402
 from minirl.accumulator import Accumulator  # noqa: E402
+from minirl import models  # noqa: E402
 from minirl.models import ValueModel, token_logprobs  # noqa: E402
 from minirl.objective import policy_loss, value_loss  # noqa: E402
 from minirl.offload import TrainerOffload  # noqa: E402
@@ -207,6 +212,49 @@ def main() -> None:
         runs.append(policy_step(policy, popt, ids[:rows], mask[:rows], adv[:rows], 2))
     out["determinism"] = {"equal_gradients": all(torch.equal(x, y) for x, y in zip(*runs))}
     print("determinism", json.dumps(out["determinism"]), flush=True)
+    torch.use_deterministic_algorithms(False)
+
+    # 5. float32 master weights under bf16 compute
+    policy.load_state_dict(state)
+    seen = []
+    hook = policy.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    policy_step(policy, popt, ids[:rows], mask[:rows], adv[:rows], 1)
+    hook.remove()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    out["fp32_master"] = {
+        "params": sorted({str(local(p).dtype) for p in policy.parameters()}),
+        "optimizer": sorted({str(local(v).dtype) for s in popt.state.values() for v in s.values() if v.numel() > 1}),
+        "compute": sorted(set(seen))}
+    print("fp32_master", json.dumps(out["fp32_master"]), flush=True)
+
+    # 6. chunked logprobs vs the plain log-softmax at the real vocabulary
+    out["logprobs"] = {}
+    lp_ids = ids[:rows]
+    ref_lp = None
+    for name, fn in (("plain", models.plain_token_logprobs), ("chunked", models.token_logprobs)):
+        policy.load_state_dict(state)
+        popt.zero_grad(set_to_none=True)
+        reset_peak(device)
+        base = allocated_mib(device)
+        sync(device)
+        t0 = time.perf_counter()
+        try:
+            lp = fn(policy, lp_ids)
+            (lp * mask[:rows]).sum().backward()
+            sync(device)
+            grads = [full(p.grad).float().clone() for p in policy.parameters()]
+            row = {"s": time.perf_counter() - t0, "peak_over_start_mib": (peak_mib(device) or 0) - (base or 0)}
+            if ref_lp is None:
+                ref_lp, ref_g = lp.detach(), grads
+            else:
+                row["max_logprob_diff"] = (lp.detach() - ref_lp).abs().max().item()
+                row["max_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(grads, ref_g))
+                row["grad_max"] = max(g.abs().max().item() for g in ref_g)
+        except torch.OutOfMemoryError as e:
+            row = {"oom": str(e)[:160]}
+        out["logprobs"][name] = row
+        print("logprobs", name, json.dumps(row), flush=True)
+    popt.zero_grad(set_to_none=True)
 
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

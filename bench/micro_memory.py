@@ -3,10 +3,12 @@ is what fixes the OOM"), through the real update path (grpo.update, FSDP2 world 
 
     python bench/micro_memory.py --n-micro 1 8           # peaks side by side, and the gradient difference
     python bench/micro_memory.py --n-micro 1 --budget-mib 300   # fails (exit 3) if the step needs more
+    python bench/micro_memory.py --vocab 151936 --rows 8 --completion 256 --n-micro 1 --logprobs plain chunked
+        # a real vocabulary: the full-vocabulary log-softmax (before) vs the chunked logprob head (after)
 
 --budget-mib caps the address space this process may ADD after the model and batch are built
 (RLIMIT_AS = current size + budget), so a step that needs more fails with an out-of-memory error.
-Prints one JSON line per configuration: {"n_micro", "peak_mib" (RSS growth over the step), "step_s",
+Prints one JSON line per configuration: {"n_micro", "logprobs", "peak_mib" (RSS growth over the step), "step_s",
 "floor_s" (6N FLOPs per token over this process's measured matmul rate), "grad_diff_vs_first"}.
 """
 
@@ -49,13 +51,27 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one_step(path, n_micro, rows, completion, budget_mib=None):
+def policy_model(path: str, vocab: int | None):
+    """The tiny model, or the same shape at vocabulary `vocab` (random weights: only memory is measured)."""
+    if not vocab:
+        return load_policy(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.vocab_size, cfg.use_cache = vocab, False
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logprobs="chunked"):
     world = dist.init()
     args = GRPOArgs()
     args.rl.group_size, args.rl.batch_per_replica = 2, rows
     args.rl.micro_batch_per_replica = 0 if n_micro == 1 else rows // n_micro
     args.validate(1)
-    policy = dist.shard(load_policy(path), world, torch.float32)
+    if logprobs == "plain":  # before: the full-vocabulary float32 log-softmax of the whole micro-batch
+        from minirl import grpo, models
+        grpo.score = models.plain_token_logprobs
+    policy = dist.shard(policy_model(path, vocab), world, torch.float32)
     grads = {}
 
     class Recording(torch.optim.SGD):
@@ -80,14 +96,17 @@ def one_step(path, n_micro, rows, completion, budget_mib=None):
 def worker(a) -> None:
     """One configuration in this process (a peak RSS is a per-process high-water mark)."""
     try:
-        peak, grads, timing = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib)
+        peak, grads, timing = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib,
+                                       a.vocab, a.logprobs[0])
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
             raise
-        print(json.dumps({"n_micro": a.worker, "oom": True, "error": str(e)[:200]}), flush=True)
+        print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "oom": True, "error": str(e)[:200]}),
+              flush=True)
         sys.exit(3)
     torch.save(grads, a.grads)
-    print(json.dumps({"n_micro": a.worker, "peak_mib": round(peak, 1), **timing}), flush=True)
+    print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "peak_mib": round(peak, 1), **timing}),
+          flush=True)
 
 
 def main():
@@ -96,6 +115,9 @@ def main():
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--completion", type=int, default=1024)
     ap.add_argument("--budget-mib", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None, help="the tiny model's shape at this vocabulary (e.g. 151936)")
+    ap.add_argument("--logprobs", nargs="+", default=["chunked"], choices=["plain", "chunked"],
+                    help="plain: the full-vocabulary log-softmax (before the chunked head); chunked: minirl's")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--grads", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -108,12 +130,14 @@ def main():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     with tempfile.TemporaryDirectory() as tmp:
-        for n in a.n_micro:
-            gfile = os.path.join(tmp, f"g{n}.pt")
-            cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile,
+        for n, lp in [(n, lp) for lp in a.logprobs for n in a.n_micro]:
+            gfile = os.path.join(tmp, f"g{n}{lp}.pt")
+            cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile, "--logprobs", lp,
                    "--rows", str(a.rows), "--completion", str(a.completion)]
             if a.budget_mib is not None:
                 cmd += ["--budget-mib", str(a.budget_mib)]
+            if a.vocab:
+                cmd += ["--vocab", str(a.vocab)]
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             row = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {"n_micro": n, "error": p.stderr[-500:]}
             if os.path.exists(gfile):
@@ -124,7 +148,8 @@ def main():
             print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"rows": a.rows, "completion": a.completion, "budget_mib": a.budget_mib, "results": rows}, f, indent=1)
+            json.dump({"rows": a.rows, "completion": a.completion, "budget_mib": a.budget_mib, "vocab": a.vocab,
+                       "results": rows}, f, indent=1)
     sys.exit(3 if any(r.get("oom") for r in rows) else 0)
 
 

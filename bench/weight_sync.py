@@ -41,7 +41,7 @@ def worker(hidden: int, layers: int, repeats: int) -> dict:
     path = models.resolve_path(cfg)
     policy = dist.shard(models.load_policy(path), world, torch.float32)
     nbytes = sum(p.numel() * p.element_size() for p in policy.parameters())
-    engine = Engine(path, RolloutConfig(), 64)
+    engine = Engine(path, RolloutConfig(), 64, world.device)
     store = torch.distributed.TCPStore("127.0.0.1", dist.free_port(), 1, is_master=True, use_libuv=True)
     times = {"colocated": [], "disaggregated": []}
     try:

@@ -7,6 +7,10 @@ micro-batches packed under the budget and balanced by token cost. `RolloutStore.
 micro)` returns those rows trimmed to the chunk's own longest sequence, so the trainer sees a
 plain batch and a micro-batch of short completions costs short activations.
 
+Devices: the store lives on the host; `to_device` is the ONE place a chunk moves to the
+trainer's device (pinned and non-blocking on CUDA), and `RolloutStore.chunk` calls it, so
+every tensor the trainer computes with is on its device.
+
 The store counts its readers (spec: "BulkStore readers"): every planned chunk is read once per
 training epoch, plus once more when the pi_old ahead pass runs. The caller sets the count
 from the SAME predicate that runs the pass (B18); reading past it raises (the batch is already
@@ -40,6 +44,14 @@ def pack(samples: Samples, advantages: torch.Tensor, pad_id: int) -> dict[str, t
         rollout_logp[i, len(p):n] = torch.tensor(lp, dtype=torch.float32)
     return {"input_ids": input_ids, "mask": mask, "rollout_logp": rollout_logp,
             "advantages": advantages.float(), "lengths": torch.tensor([len(r) for r in rows])}
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move a chunk to the trainer's device. On CUDA the host copy is pinned first so the
+    transfer is asynchronous (torch's pinned-memory allocator keeps the buffer until it is done)."""
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.to(device) for k, v in tensors.items()}
 
 
 def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0) -> Plan:
@@ -101,19 +113,20 @@ def _agree_max(x: int) -> int:
 class RolloutStore:
     """This rank's collected batch, handed out chunk by chunk and released after its last reader."""
 
-    def __init__(self, batch: dict[str, torch.Tensor], plan: Plan, reads_per_chunk: int):
-        self.batch, self.plan = batch, plan
+    def __init__(self, batch: dict[str, torch.Tensor], plan: Plan, reads_per_chunk: int,
+                 device: torch.device = torch.device("cpu")):
+        self.batch, self.plan, self.device = batch, plan, device
         self.reads_left = reads_per_chunk * sum(len(m) for m in plan)
 
     def chunk(self, mini: int, micro: int) -> dict[str, torch.Tensor]:
-        """The rows of (mini, micro), columns trimmed to the chunk's longest row."""
+        """The rows of (mini, micro), columns trimmed to the chunk's longest row, on the trainer's device."""
         if self.reads_left <= 0:
             self._read()  # raises
         rows = torch.tensor(self.plan[mini][micro])
         T = int(self.batch["lengths"][rows].max())
         out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.batch.items()}
         self._read()
-        return out
+        return to_device(out, self.device)
 
     def skip(self) -> None:
         """A planned read that will not happen (the rest of a poisoned window)."""

@@ -155,7 +155,29 @@ class CheckpointConfig:
 
 
 @dataclass
-class GRPOArgs:
+class Launch:
+    """What both entrypoints share about the launch itself: the dry run and the run's folders."""
+
+    dry_run: bool = False
+    """Validate the flags, print every rank's role, devices, share and memory estimate, and exit 0:
+    nothing is loaded, built or launched. Shows whether a recipe fits before paying for a node."""
+    dry_run_world_size: int = 0
+    """--dry-run: the launch's number of ranks (0 = $WORLD_SIZE, else 1)."""
+    dry_run_device: Optional[Literal["cpu", "cuda"]] = None
+    """--dry-run: the launch's device type (default: this machine's)."""
+    dry_run_card_gib: float = 80.0
+    """--dry-run: memory of one card in GiB, for the fits / does not fit verdict."""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GRPOArgs(Launch):
     """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
 
     steps: int = 20
@@ -169,10 +191,6 @@ class GRPOArgs:
     grid: GridConfig = field(default_factory=GridConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
 
     # ---- derived (spec/batching.md: computed, never configured) ----
     @property
@@ -249,12 +267,11 @@ class GRPOArgs:
         _check_run(self)
         return self
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def _check_run(args) -> None:
-    """The checks GRPO and PPO share: sampling, task file, checkpoint flags."""
+    """The checks GRPO and PPO share: sampling, task file, checkpoint flags, the dry run's world."""
+    if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
+        raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
     if not 0.0 < args.rollout.temperature:
         raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
     if not 0 <= args.rollout.min_tokens <= args.rollout.max_tokens:
@@ -310,6 +327,15 @@ class PPOConfig:
     """PPO ratio clip and value clip."""
     max_grad_norm: float = 1.0
     """Clip each model's gradient norm after normalization (0 = no clip)."""
+    policy_micro_batch_rows: int = 0
+    """Rows per policy forward/backward on each train rank, within a chunk (0 = the whole chunk); the
+    step stays exact at any size (deferred normalization). Lower it if the policy runs out of memory."""
+    critic_micro_batch_rows: int = 0
+    """Rows per critic forward/backward on each train rank (0 = all of them at once); exact at any
+    size, as for the policy. Lower it if critic training runs out of memory."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the engine's sampling logprobs as pi_old instead of the trainer's own (on GPUs they differ:
+    bf16 kernels; `ppo_logprob_gap` shows by how much)."""
     colocated_offload: bool = True
     """Colocated full batch: the engine sleeps while policy and value train (CUDA frees its memory)."""
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
@@ -333,7 +359,7 @@ class AsyncRLConfig:
 
 
 @dataclass
-class PPOArgs:
+class PPOArgs(Launch):
     """PPO with a critic; the train ranks start on completed groups while the rest still generate."""
 
     steps: int = 20
@@ -348,10 +374,6 @@ class PPOArgs:
     grid: GridConfig = field(default_factory=lambda: GridConfig(gpu_placement="disaggregated", rollout_ranks=1))
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.log.run_dir, "checkpoints")
 
     @property
     def streaming(self) -> bool:
@@ -391,10 +413,11 @@ class PPOArgs:
         if a.rollout_groups_per_call < 1 or a.sampler.max_lookahead_versions < 0:
             raise ConfigError("--async-rl.rollout-groups-per-call must be >= 1 and "
                               "--async-rl.sampler.max-lookahead-versions >= 0")
+        for flag, rows in (("--ppo.policy-micro-batch-rows", p.policy_micro_batch_rows),
+                           ("--ppo.critic-micro-batch-rows", p.critic_micro_batch_rows)):
+            if rows < 0:
+                raise ConfigError(f"{flag}={rows} must be >= 0 (0 = all rows at once)")
         _positive("--ppo.lr", p.lr)
         _positive("--ppo.value-lr", p.value_lr)
         _check_run(self)
         return self
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

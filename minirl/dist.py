@@ -1,16 +1,25 @@
-"""The torchrun world: process groups, device, seeds, rank roles and FSDP2 wrapping.
+"""The torchrun world: process groups, devices, seeds, rank roles and FSDP2 wrapping.
 
 Every torch.distributed set-up call in minirl lives here; the rest of the code asks this
 module for the rank, the device and the collectives and never which backend it runs on.
 
-- Under torchrun the default group spans all ranks (gloo on CPU, NCCL on CUDA).
-- Without a launcher (`python -m minirl.grpo`) `init()` makes a world of one with the same
-  environment torchrun would set, so one code path serves both.
+- Devices: `device_map` is the one pure function from a rank's place in the launch to its
+  trainer and engine devices. Colocated: both on the rank's own card. Disaggregated: every
+  engine on its own card, apart from the trainers. `--dry-run` prints it for every rank.
+- Backends: a CUDA world's groups are `cpu:gloo,cuda:nccl` (`backend_for`), so a collective
+  on a CPU tensor (a metric, a count) goes over gloo and one on a CUDA tensor over NCCL. Every
+  collective in minirl goes through `all_reduce` / `broadcast` here, which refuse a tensor on a
+  device the group does not serve instead of letting NCCL fail (or hang) deep inside a step.
+- Under torchrun the default group spans all ranks. Without a launcher
+  (`python -m minirl.grpo`) `init()` makes a world of one with the same environment torchrun
+  would set, so one code path serves both.
 - `grid.gpu_placement=colocated`: every rank generates and trains.
   `disaggregated`: ranks [0, R) generate only, [R, N) train only. vLLM hangs if it is built
-  on some ranks of a group that spans all of them (ENV-NOTES.md), so under disaggregated
-  placement each side forms its own group on its own port and the two sides talk through a
-  TCPStore (`init_disaggregated`).
+  on some ranks of a group that spans all of them, so under disaggregated placement each side
+  forms its own group on its own port and the two sides talk through a TCPStore
+  (`init_disaggregated`); a rollout rank's engine gets a private world of one.
+- FSDP2 (`shard`): float32 master weights and optimizer state, compute in `--model.dtype`,
+  gradients reduced in float32.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ class World:
     rank: int          # rank in the group this process trains in (the default group)
     world_size: int    # ranks in that group
     local_rank: int
-    device: torch.device
+    device: torch.device                 # the trainer's device (device_map)
+    engine_device: torch.device | None = None  # this rank's engine, when it has one (colocated)
 
     @property
     def is_main(self) -> bool:
@@ -48,11 +58,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+# ---- devices and backends ----
+
+@dataclass(frozen=True)
+class Devices:
+    trainer: torch.device | None  # None: this rank does not train
+    engine: torch.device | None   # None: this rank builds no engine
+
+
+def device_map(global_rank: int, local_rank: int, world_size: int, rollout_ranks: int, placement: str,
+               device_type: str) -> Devices:
+    """Where this rank trains and generates. Pure: the same answer on every machine and in --dry-run.
+
+    A rank's card is its LOCAL rank (torchrun numbers ranks node by node, and LOCAL_RANK indexes
+    the node's visible cards). Colocated: engine and trainer share it (the hand-off takes turns on
+    it). Disaggregated: ranks [0, R) only generate, each on its own card; ranks [R, N) only train,
+    each on its own card; no card holds two engines, or an engine and a trainer.
+    """
+    if not 0 <= global_rank < world_size:
+        raise ValueError(f"rank {global_rank} outside a world of {world_size}")
+    card = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
+    if placement == "colocated":
+        return Devices(trainer=card, engine=card)
+    if placement != "disaggregated" or not 0 < rollout_ranks < world_size:
+        raise ValueError(f"placement {placement!r} with {rollout_ranks} rollout rank(s) in a world of {world_size}")
+    return Devices(trainer=None, engine=card) if global_rank < rollout_ranks else Devices(trainer=card, engine=None)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """A CUDA world serves both devices: NCCL takes only CUDA tensors, and minirl's small
+    all-reduces (metrics, counts, stop flags) are CPU tensors. torch routes each collective to
+    the backend of its tensor's device (as torchtitan does with `cuda:nccl,cpu:gloo`)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def served_device_types(group=None) -> set[str]:
+    """The device types a process group's backends take tensors on, e.g. {"cpu", "cuda"}."""
+    config = dist.get_backend_config(group)  # e.g. "cpu:gloo,cuda:nccl"; a plain "gloo" group reads "cpu:gloo,cuda:gloo"
+    return {part.split(":")[0] for part in config.split(",")}
+
+
+def _check_served(t: torch.Tensor, group=None) -> None:
+    served = served_device_types(group)
+    if t.device.type not in served:
+        raise RuntimeError(f"collective on a {t.device.type} tensor, but this process group serves only "
+                           f"{sorted(served)} (backend {dist.get_backend_config(group)!r})")
+
+
+def _set_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def init() -> World:
@@ -62,16 +121,17 @@ def init() -> World:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = _device(local_rank)
-    if not torch.cuda.is_available():
+    devices = device_map(rank, local_rank, world, 0, "colocated", device_type())
+    _set_device(devices.trainer)
+    if devices.trainer.type == "cpu":
         # Ranks sharing a CPU slow each other down badly when each spawns a full thread pool
-        # (ENV-NOTES.md: 2 x 2 threads on 2 cores was ~18x slower than 2 x 1).
+        # (2 x 2 threads on 2 cores was ~18x slower than 2 x 1).
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
-    return World(rank, world, local_rank, device)
+        dist.init_process_group(backend_for(devices.trainer.type), rank=rank, world_size=world,
+                                device_id=devices.trainer if devices.trainer.type == "cuda" else None)
+    return World(rank, world, local_rank, devices.trainer, devices.engine)
 
 
 def shutdown() -> None:
@@ -107,15 +167,19 @@ def set_deterministic() -> None:
 
 
 @contextlib.contextmanager
-def private_world(port: int | None = None):
+def private_world(device: torch.device, port: int | None = None):
     """Environment for building a single-process vLLM engine inside a larger torchrun world.
 
     vLLM reads RANK/WORLD_SIZE/MASTER_PORT when it builds its own groups; giving it a world of
     one on a fresh port keeps it from joining (and hanging on) the ranks that never build an engine.
+    LOCAL_RANK stays the engine's card: vLLM's external-launcher executor takes its device index
+    from LOCAL_RANK (vllm 0.32 `ExecutorWithExternalLauncher._distributed_args`, then
+    `gpu_worker.Worker.init_device`: `cuda:{local_rank}`), where the single-process executor
+    would always take card 0.
     """
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
     saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), LOCAL_WORLD_SIZE="1",
                       MASTER_PORT=str(port or free_port()), TORCHELASTIC_USE_AGENT_STORE="False")
     try:
         yield
@@ -134,6 +198,7 @@ class Roles:
     global_rank: int
     global_world: int
     rollout_ranks: int  # R; 0 when colocated
+    devices: Devices | None = None
 
     @property
     def colocated(self) -> bool:
@@ -161,7 +226,12 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
     which the two sides exchange groups and weights. Returns (roles, train World or None, store).
     """
     g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    roles = Roles(g_rank, g_world, rollout_ranks)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    devices = device_map(g_rank, local_rank, g_world, rollout_ranks, "disaggregated", device_type())
+    roles = Roles(g_rank, g_world, rollout_ranks, devices)
+    _set_device(devices.trainer or devices.engine)
+    if (devices.trainer or devices.engine).type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", g_world))))
     addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
     store = dist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
@@ -169,28 +239,31 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
     if not roles.trains:
         return roles, None, store
     t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = _device(local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // g_world))
+    device = devices.trainer
     train_store = dist.TCPStore(addr, base + 2, t_world, is_master=t_rank == 0, use_libuv=True)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=train_store,
-                            rank=t_rank, world_size=t_world)
+    dist.init_process_group(backend_for(device.type), store=train_store, rank=t_rank, world_size=t_world,
+                            device_id=device if device.type == "cuda" else None)
     os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
     return roles, World(t_rank, t_world, local_rank, device), store
 
 
 # ---- FSDP2 ----
 
-def shard(model: torch.nn.Module, world: World, param_dtype: torch.dtype) -> torch.nn.Module:
+def shard(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> torch.nn.Module:
     """FSDP2 the torchtitan way: `fully_shard` every decoder block, then the root.
+
+    Precision: the sharded parameters stay in the dtype they were loaded in, float32 for every
+    model that trains (models.load_policy / load_value), so the optimizer's master weights and
+    AdamW state are float32; each forward all-gathers them cast to `compute_dtype`
+    (`--model.dtype`), and gradients are reduce-scattered in float32. (bf16 master weights
+    would lose updates: at lr 1e-6 an AdamW step is below bf16's resolution for weights ~0.02.)
 
     Gradients are reduced as a data-parallel MEAN (FSDP2's default). minirl's loss divisors are
     DP means too (objective.py), so `mean_r(grad_sum_r / mean_r(N_r)) = grad(total sum) / total N`
     with no world-size factor anywhere.
     """
     mesh = init_device_mesh(world.device.type, (world.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in _decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -202,20 +275,32 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(backbone.layers)
 
 
-def full_parameters(model: torch.nn.Module):
+def full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """Yield (name, full tensor) for every parameter, one all-gather at a time (a collective:
-    every rank of the group must iterate to the end). Peak memory is one full parameter."""
+    every rank of the group must iterate to the end). Peak memory is one full parameter.
+    `dtype`: cast for the receiver (the engine runs in `--model.dtype`, the masters are float32)."""
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        yield name, full.detach()
+        yield name, full.detach() if dtype is None else full.detach().to(dtype)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce over the default group; `avg` is sum / world size (gloo has no AVG)."""
+    if dist.is_initialized():
+        _check_served(t)  # also at world size 1, so single-process tests see a CUDA world's mistakes
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         if op == "avg":
             t /= dist.get_world_size()
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In-place broadcast from `src` over the default group."""
+    if dist.is_initialized():
+        _check_served(t)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(t, src=src)
     return t
 
 

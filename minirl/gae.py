@@ -43,17 +43,17 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the valid entries only; zero at masked positions.
 
+    The moments come from masked sums (count, sum, sum of squared deviations), never from
+    boolean indexing, so the result stays on x's device with no host round trip for its shape.
     With fewer than two valid entries there is no spread to normalise by: the result is centred only.
     """
-    valid = mask.bool()
-    n = valid.sum()
-    if n == 0:
-        return torch.zeros_like(x)
-    xs = x[valid]
-    centred = x - xs.mean()
-    if n > 1:
-        centred = centred / (xs.std(unbiased=False) + eps)
-    return torch.where(valid, centred, torch.zeros_like(x))
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp_min(1)
+    centred = x - mean
+    var = (centred.square() * m).sum() / n.clamp_min(1)
+    scaled = torch.where(n > 1, centred / (var.sqrt() + eps), centred)
+    return torch.where(mask.bool(), scaled, torch.zeros_like(x))
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ import time
 import torch
 import tyro
 
-from minirl import checkpoint, dist, models
+from minirl import checkpoint, dist, models, plan
 from minirl.accumulator import Accumulator, across_ranks, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.checkpoint import export_hf
@@ -33,7 +33,7 @@ from minirl.config import ConfigError, GRPOArgs
 from minirl.gae import group_advantages
 from minirl.logger import RunLog
 from minirl.models import token_logprobs as score
-from minirl.objective import policy_loss
+from minirl.objective import logprob_gap, policy_loss
 from minirl.offload import HandOff, Profile, TrainerOffload
 from minirl.rollout import Engine, check_model
 from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_task, prompt_id
@@ -41,6 +41,9 @@ from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_ta
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(GRPOArgs, args=argv, description=__doc__)
+    if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
+        plan.dry_run(args)
+        return {}
     world = dist.init()
     args.validate(world.world_size)
     path = models.resolve_path(args.model)
@@ -68,16 +71,16 @@ def main(argv: list[str] | None = None) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = models.DTYPES[args.model.dtype]
     with log.phase("build_trainer", announce="loading the policy (FSDP2)"):
-        policy = dist.shard(models.load_policy(path, args.model.dtype), world, dtype)
-        ref = dist.shard(models.load_reference(path, args.model.dtype), world, dtype) if rl.kl_coef else None
+        policy = models.sharded(path, "policy", world, args.model.dtype)  # float32 masters, compute in dtype
+        ref = models.sharded(path, "reference", world, args.model.dtype) if rl.kl_coef else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=rl.weight_decay)
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm)
     probe = Probe(policy)
     with log.phase("build_engine", announce="building the vLLM engine"):
-        engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
-                        sleep_mode=rl.colocated_offload)
+        engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype,
+                        seed=args.seed, sleep_mode=rl.colocated_offload)
     profile = Profile(world.device)
-    handoff = HandOff(engine, TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy),
+    handoff = HandOff(engine, TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy, dtype),
                       enabled=rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
 
     def save() -> None:
@@ -116,10 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
             advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
             batch = pack(samples, advantages, pad_id)                              # (B_r, T) tensors
             profile.mark("score")
-            plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
-                               rl.max_tokens_per_micro_batch)
+            chunks = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
+                                 rl.max_tokens_per_micro_batch)
             ahead = args.needs_cached_old_logprobs
-            store = RolloutStore(batch, plan, reads_per_chunk=rl.mu_iterations + ahead)  # B18: same predicate
+            store = RolloutStore(batch, chunks, reads_per_chunk=rl.mu_iterations + ahead,  # B18: same predicate
+                                 device=world.device)
 
             # ---- update: the trainer holds the card while the rollout sleeps (B20) ----
             handoff.to_trainer()
@@ -183,14 +187,18 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
            ahead: bool) -> tuple[list[dict], list[dict]]:
     """Train on one collected batch: mu_iterations x n_mini optimizer steps of planned micro-batches.
 
-    The (mini, micro) loop passes indices only; the store materializes this rank's rows (B3).
-    pi_old: the ahead pass's record when `ahead` (B17); else the engine's logprobs under
-    --rl.use-rollout-logprobs-for-loss; else `logp.detach()`, exact when nothing moved yet (B5).
+    The (mini, micro) loop passes indices only; the store materializes this rank's rows on the
+    trainer's device (B3). pi_old: the ahead pass's record when `ahead` (B17); else the engine's
+    logprobs under --rl.use-rollout-logprobs-for-loss; else `logp.detach()`, exact when nothing
+    moved yet (B5). The reference scores a chunk before the policy does, so its activations are
+    gone before the policy's graph is built. `grpo_logprob_gap`: mean |trainer - engine| logprob
+    on the calls scored at the sampling weights (the engine's kernels differ from the trainer's).
     Returns the per-call objective metrics and the per-step accumulator metrics.
     """
     rl = args.rl
     policy.train()
     old_logps = ahead_pass(policy, store, probe) if ahead else None
+    steps_before = acc.steps
     calls, steps_out = [], []
     for _ in range(rl.mu_iterations):
         k = 0  # call order within the epoch: the key of the ahead pass's record
@@ -202,18 +210,20 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
                     store.skip()
                     continue
                 c = store.chunk(mini, micro)                                    # (rows, T_c)
-                logp = score(policy, c["input_ids"])
-                if old_logps is not None:
-                    old = old_logps[k - 1]
-                elif rl.use_rollout_logprobs_for_loss:
-                    old = c["rollout_logp"]
-                else:
-                    old = logp.detach()
                 ref_logp = None
                 if ref is not None:
                     with torch.no_grad():
                         ref_logp = score(ref, c["input_ids"])
+                logp = score(policy, c["input_ids"])
+                at_sampling = old_logps[k - 1] if old_logps is not None else (
+                    logp.detach() if acc.steps == steps_before else None)
+                if rl.use_rollout_logprobs_for_loss:
+                    old = c["rollout_logp"]
+                else:
+                    old = at_sampling if at_sampling is not None else logp.detach()
                 loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps, ref_logp, rl.kl_coef)
+                if at_sampling is not None:
+                    m["grpo_logprob_gap"] = logprob_gap(at_sampling, c["rollout_logp"], c["mask"])
                 calls.append(m)
                 out = acc.backward(loss, divisor)
                 if out is not None:

@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from minirl.config import TINY, ConfigError, ModelConfig, TinyModelConfig
 
@@ -108,16 +109,21 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_policy(path: str, dtype: str = "float32") -> nn.Module:
+def load_policy(path: str) -> nn.Module:
+    """The policy in float32: its parameters are the optimizer's master weights. Forward and
+    backward compute in `--model.dtype` through FSDP2's mixed precision (dist.shard)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     return model
 
 
 def load_reference(path: str, dtype: str = "float32") -> nn.Module:
-    """The frozen policy at its starting weights, for the KL penalty."""
-    model = load_policy(path, dtype).eval()
+    """The frozen policy at its starting weights, for the KL penalty. It never steps, so it is
+    stored in the compute dtype (no master copy to keep)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    model.config.use_cache = False
     model.requires_grad_(False)
     return model
 
@@ -146,10 +152,25 @@ class ValueModel(nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0))           # (B, T): V before each token
 
 
-def load_value(path: str, dtype: str = "float32") -> ValueModel:
+def load_value(path: str) -> ValueModel:
+    """The critic in float32 master weights (see load_policy)."""
     from transformers import AutoModel
-    backbone = AutoModel.from_pretrained(path, dtype=DTYPES[dtype])
-    return ValueModel(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+    return ValueModel(backbone, backbone.config.hidden_size)
+
+
+def sharded(path: str, kind: str, world, dtype: str) -> nn.Module:
+    """The trainer's models as both entrypoints build them: loaded (policy and value in float32
+    master weights, the frozen reference in `dtype`), then FSDP2-sharded to compute in `dtype`
+    (`--model.dtype`) on the world's device (dist.shard)."""
+    from minirl import dist
+    load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
+    return dist.shard(load(path), world, DTYPES[dtype])
+
+
+# ---- the chosen tokens' log-probabilities, without the full-vocabulary logits at once ----
+
+LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits (441 tokens at vocab 151,936)
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -157,7 +178,58 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
     Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
     Sequences are right-padded, so causal attention never lets a real token see a pad.
+
+    Memory: a Hugging Face causal LM ends with `logits = self.lm_head(hidden)`, (B, T, V). At a
+    real vocabulary (151,936) those logits plus their float32 log-softmax cost more than the
+    model's activations, so for the length of this call `lm_head` is replaced by a head that
+    returns only the chosen tokens' logprobs: it walks the tokens in pieces of LOGITS_CHUNK
+    vocabulary entries, and under autograd each piece is recomputed in backward instead of kept.
+    It runs inside the model's own forward, so FSDP2 has gathered the head's weight as usual.
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(model.config, "final_logit_softcapping", None):  # logits post-processed
+        return plain_token_logprobs(model, input_ids)
+    name = next(n for n, m in model.named_children() if m is head)
+    setattr(model, name, _ChosenLogprobs(head, input_ids[:, 1:]))
+    try:
+        lp = model(input_ids=input_ids).logits                          # (B, T): last column unused
+    finally:
+        setattr(model, name, head)
+    return nn.functional.pad(lp[:, :-1], (1, 0))                        # (B, T)
+
+
+def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The same numbers from the full logits and their float32 log-softmax (the reference; and the
+    path for models whose logits are post-processed after `lm_head`)."""
     logits = model(input_ids=input_ids).logits[:, :-1].float()          # (B, T-1, V)
     lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0))                          # (B, T)
+    return nn.functional.pad(lp, (1, 0))                                # (B, T)
+
+
+class _ChosenLogprobs(nn.Module):
+    """Stands in for `lm_head`: hidden (B, T, H) -> log p(targets) (B, T), the last column 0."""
+
+    def __init__(self, head: nn.Module, targets: torch.Tensor):
+        super().__init__()
+        self.head, self.targets = head, targets                         # targets: (B, T-1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        B, T, H = hidden.shape
+        h = hidden[:, :-1].reshape(-1, H)                               # (N, H), N = B*(T-1)
+        y = self.targets.reshape(-1)                                    # (N,)
+        w, b = self.head.weight, self.head.bias
+        step = max(1, LOGITS_CHUNK // w.shape[0])
+        pieces = []
+        for i in range(0, h.shape[0], step):
+            args = (h[i:i + step], w, b, y[i:i + step])
+            if torch.is_grad_enabled():
+                pieces.append(checkpoint(_piece_logprobs, *args, use_reentrant=False))
+            else:
+                pieces.append(_piece_logprobs(*args))
+        lp = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+        return nn.functional.pad(lp.view(B, T - 1), (0, 1))             # (B, T)
+
+
+def _piece_logprobs(h, w, b, y):
+    logits = nn.functional.linear(h, w, b).float()                      # (n, V)
+    return logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)

@@ -94,3 +94,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                                    / n_tok.clamp_min(1)).item(),
         }
     return loss, divisor, m
+
+
+@torch.no_grad()
+def logprob_gap(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean |trainer - engine| logprob over this chunk's masked tokens (both at the sampling weights).
+
+    On CPU in float32 it is ~1e-6; on GPUs the engine's bf16 kernels make it larger, and a gap that
+    grows is why minirl takes pi_old from the trainer by default, not from the engine.
+    """
+    mask = mask.to(trainer_logp.dtype)
+    return ((trainer_logp - engine_logp).abs() * mask).sum().item() / max(mask.sum().item(), 1.0)

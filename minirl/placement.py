@@ -80,7 +80,9 @@ class StoreGroups:
 
     def refit(self, version: int, policy) -> None:
         """Gather the full policy (a collective over the train ranks) and hand it to the rollout ranks."""
-        state = {n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy)} if policy is not None else None
+        dtype = models.DTYPES[self.args.model.dtype]  # the engine's dtype; the masters are float32
+        state = ({n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy, dtype)}
+                 if policy is not None else None)
         if not self.world.is_main:
             return
         put(self.store, f"version/{version}", st_save(state) if state is not None else b"")
@@ -130,7 +132,8 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
     task = make_task(args.task, args.seed)
     tok = models.load_tokenizer(path)
-    engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed, private=True)
+    engine = Engine(path, args.rollout, max_model_len, roles.devices.engine, dtype=args.model.dtype, seed=args.seed,
+                    private=True)
     limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
     # SIGTERM reaches every rank at once: the trainer finishes its step (it needs this rank's groups),
     # saves and sets `stop`; this rank keeps serving until then and hosts the store until the end.
@@ -217,7 +220,7 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
         chunk = [g.index for g in ready.take()]
         taken[:len(chunk)] = torch.tensor(chunk, dtype=torch.long)
     if world.world_size > 1:
-        torch.distributed.broadcast(taken, src=0)
+        dist.broadcast(taken, src=0)
         if not world.is_main:  # mirror the controller's bookkeeping
             for i in taken[taken >= 0].tolist():
                 ready.claimed[i] = Group(i, -1)
@@ -238,15 +241,16 @@ class EngineGroups:
         self.args, self.world = args, world
         self.task = make_task(args.task, args.seed)
         self.tok = models.load_tokenizer(path)
-        self.engine = Engine(path, args.rollout, max_model_len, dtype=args.model.dtype, seed=args.seed,
-                             sleep_mode=args.ppo.colocated_offload)
+        self.engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype,
+                             seed=args.seed, sleep_mode=args.ppo.colocated_offload)
         self.handoff = None
 
     def start(self, step: int, policy, offload) -> None:
         policy_off = offload[0]
         both = SimpleNamespace(offload=lambda: [o.offload() for o in offload],
                                onload=lambda: [o.onload() for o in offload])
-        weights = lambda: (policy_off.onload(), dist.full_parameters(policy))[1]  # noqa: E731
+        dtype = models.DTYPES[self.args.model.dtype]
+        weights = lambda: (policy_off.onload(), dist.full_parameters(policy, dtype))[1]  # noqa: E731
         self.handoff = HandOff(self.engine, both, weights, enabled=self.args.ppo.colocated_offload,
                                sleep_level=self.args.rollout.sleep_level)
         if step:

@@ -23,7 +23,7 @@ import time
 import torch
 import tyro
 
-from minirl import checkpoint, dist, models
+from minirl import checkpoint, dist, models, plan
 from minirl.accumulator import Accumulator, across_ranks
 from minirl.batch import pack
 from minirl.config import ConfigError, PPOArgs
@@ -37,6 +37,9 @@ from minirl.stream import PumpConfig, TrainPump
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(PPOArgs, args=argv, description=__doc__)
+    if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
+        plan.dry_run(args)
+        return
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.validate(world_size)
     path = models.resolve_path(args.model)
@@ -74,10 +77,9 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     if args.streaming and p.adv_estimator.normalize_advantages:
         log.info("warning: --ppo.adv-estimator.normalize-advantages under streaming whitens advantages within "
                  "each chunk, so chunk boundaries change the policy gradient (critic returns are unaffected)")
-    dtype = models.DTYPES[args.model.dtype]
     with log.phase("build_trainer", announce="loading the policy and the value model (FSDP2)"):
-        policy = dist.shard(models.load_policy(path, args.model.dtype), world, dtype)
-        value = dist.shard(models.load_value(path, args.model.dtype), world, dtype)
+        policy = models.sharded(path, "policy", world, args.model.dtype)  # float32 masters, compute in dtype
+        value = models.sharded(path, "value", world, args.model.dtype)
     policy_opt = torch.optim.AdamW(policy.parameters(), lr=p.lr)
     value_opt = torch.optim.AdamW(value.parameters(), lr=p.value_lr)
     parts = {"policy": (policy, policy_opt), "value": (value, value_opt)}
@@ -104,10 +106,13 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             cfg = PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
                              value_clip_eps=p.clip_eps, normalize_advantages=p.adv_estimator.normalize_advantages,
                              critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=warmup, ppo_epochs=p.ppo_epochs,
-                             refit_after_critic=source.colocated)
+                             refit_after_critic=source.colocated, policy_micro_rows=p.policy_micro_batch_rows,
+                             critic_micro_rows=p.critic_micro_batch_rows,
+                             use_rollout_logprobs=p.use_rollout_logprobs_for_loss)
             acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm)
             pump = TrainPump(policy, value, acc, value_opt, cfg, step, refit=lambda: source.refit(step + 1, policy),
-                             log=log.info, policy_off=offload[0], value_off=offload[1])  # value model ready (S12)
+                             log=log.info, policy_off=offload[0], value_off=offload[1],  # value model ready (S12)
+                             device=world.device)
             ready = ReadyGroups(P, a.min_groups_for_streaming_train, a.sampler.name,
                                 a.sampler.max_lookahead_versions, align=world.world_size)
             rewards, lengths, prompt_tokens, t_first_chunk = [], [], 0, None

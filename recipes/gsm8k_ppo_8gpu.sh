@@ -8,6 +8,7 @@
 # 56.7 on GSM8K test with PPO (eval_accuracy here is greedy accuracy on 512 test problems).
 # `train_pump: step S chunk K` lines show the streaming. Not yet run on GPUs by the minirl authors:
 # a first run should watch the first steps' memory and time/step, and adjust the flags below.
+# `bash recipes/gsm8k_ppo_8gpu.sh --dry-run` prints each rank's devices and memory estimate first.
 set -euo pipefail
 exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \
@@ -23,6 +24,7 @@ exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --ppo.lr 1e-6 \
   --ppo.value-lr 1e-5 \
   --ppo.critic-warmup-steps 0 \
+  --ppo.policy-micro-batch-rows 8 --ppo.critic-micro-batch-rows 8 \
   --ppo.adv-estimator.gamma 1.0 --ppo.adv-estimator.lam 1.0 \
   --async-rl.min-groups-for-streaming-train 42 \
   --async-rl.rollout-groups-per-call 42 \

@@ -81,3 +81,41 @@ def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
+
+
+class OneDevice:
+    """Device discipline on a machine without a GPU: put the trainer on the `meta` device (the
+    stand-in for its card) and run the code under this mode. Every aten op whose tensors sit on
+    two devices raises, as CUDA does (a 0-dim CPU scalar may mix, as on CUDA; `.to()` / `copy_`
+    move data on purpose). Reading a meta tensor's value (`.item()`, `bool()`) returns 1, so the
+    code's control flow runs on; `serves_meta` lets the world's collectives take meta tensors, as
+    a CUDA world's take the card's."""
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        from minirl import dist
+        served = dist.served_device_types
+        monkeypatch.setattr(dist, "served_device_types", lambda group=None: served(group) | {"meta"})
+        moves = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                flat, _ = tree_flatten((args, kwargs))
+                devices = {t.device for t in flat if isinstance(t, torch.Tensor)
+                           and not (t.device.type == "cpu" and t.dim() == 0)}
+                if len(devices) > 1 and func not in moves:
+                    raise RuntimeError(f"{func}: tensors on {sorted(map(str, devices))}")
+                if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+                    return 1.0 if args[0].dtype.is_floating_point else 1
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

@@ -16,3 +16,6 @@ def test_gpu_check_runs_at_tiny_size_on_cpu(tmp_path):
     assert r["micro_batching"][1]["grad_diff"] <= 1e-5 * r["micro_batching"][1]["grad_max"]
     assert r["offload"]["bit_exact"] and r["determinism"]["equal_gradients"]
     assert r["throughput"]["step_s"] > r["throughput"]["floor_s"] > 0
+    assert r["fp32_master"]["params"] == r["fp32_master"]["optimizer"] == ["torch.float32"]
+    chunked = r["logprobs"]["chunked"]
+    assert chunked["max_logprob_diff"] < 1e-5 and chunked["max_grad_diff"] <= 1e-5 * chunked["grad_max"]

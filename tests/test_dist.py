@@ -1,12 +1,16 @@
-"""Two processes over gloo (torchrun --standalone): FSDP2, the DP partition, divisor all-reduce, export."""
+"""dist.py: two processes over gloo (torchrun --standalone) for FSDP2, the DP partition, the divisor
+all-reduce and the disaggregated groups; and, with no processes, the device map over 8-GPU layouts,
+the CUDA world's backend, the collectives' device check and the float32 master weights."""
+
+import os
 
 import pytest
+import torch
 
 from conftest import torchrun
 
-pytestmark = pytest.mark.dist
 
-
+@pytest.mark.dist
 def test_two_rank_chunked_deferred_step_equals_single_process_whole_batch(tiny_path):
     """Also: dist.full_parameters (what the engine is sent) equals the trainer's parameters."""
     p = torchrun("tests/dist/fsdp_chunked_step.py", tiny_path)
@@ -14,7 +18,98 @@ def test_two_rank_chunked_deferred_step_equals_single_process_whole_batch(tiny_p
     assert "OK grad_diff=" in p.stdout
 
 
+@pytest.mark.dist
 def test_disaggregated_rollout_rank_and_train_group_meet_through_the_store(tiny_path):
     p = torchrun("tests/dist/disaggregated_groups.py", tiny_path, nproc=3)
     assert p.returncode == 0
     assert "ROLLOUT OK" in p.stdout and p.stdout.count("TRAIN rank") == 2
+
+
+# ---- devices and backends (pure functions, no processes) ----
+
+LAYOUTS = [(8, r) for r in range(1, 8)] + [(16, 2), (16, 8)]  # (world size, rollout ranks); 16 = 2 nodes x 8
+
+
+def _map(world, rollout, placement):
+    from minirl.dist import device_map
+    out = []
+    for g in range(world):
+        node, local = divmod(g, 8)
+        d = device_map(g, local, world, rollout, placement, "cuda")
+        out.append((node, d))
+    return out
+
+
+@pytest.mark.parametrize("world,rollout", LAYOUTS)
+def test_device_map_disaggregated_engines_on_their_own_cards_apart_from_trainers(world, rollout):
+    ranks = _map(world, rollout, "disaggregated")
+    engines = [(n, d.engine) for n, d in ranks if d.engine is not None]
+    trainers = [(n, d.trainer) for n, d in ranks if d.trainer is not None]
+    assert len(engines) == rollout and len(trainers) == world - rollout
+    assert all(d.engine is None or d.trainer is None for _, d in ranks)   # one role per rank
+    assert len(set(engines)) == len(engines)                              # no card holds two engines
+    assert not set(engines) & set(trainers)                               # nor an engine and a trainer
+    assert len(set(trainers)) == len(trainers)
+    assert all(dev.type == "cuda" and dev.index == g % 8 for g, (_, dev) in enumerate(engines + trainers))
+
+
+@pytest.mark.parametrize("world", [1, 2, 8, 16])
+def test_device_map_colocated_engine_shares_the_trainers_card(world):
+    ranks = _map(world, 0, "colocated")
+    assert all(d.engine == d.trainer == torch.device("cuda", g % 8) for g, (_, d) in enumerate(ranks))
+    assert len({(n, d.trainer) for n, d in ranks}) == world
+
+
+def test_device_map_on_cpu_and_bad_layouts():
+    from minirl.dist import device_map
+    assert device_map(1, 1, 2, 1, "disaggregated", "cpu").trainer == torch.device("cpu")
+    with pytest.raises(ValueError):
+        device_map(0, 0, 2, 2, "disaggregated", "cuda")  # no train rank left
+
+
+def test_cuda_world_backend_serves_cpu_tensors_too():
+    """NCCL takes CUDA tensors only; minirl's metric all-reduces are CPU tensors."""
+    from minirl.dist import backend_for
+    served = {part.split(":")[0] for part in backend_for("cuda").split(",")}
+    assert served == {"cpu", "cuda"} and "cuda:nccl" in backend_for("cuda")
+    assert backend_for("cpu") == "gloo"
+
+
+def test_collective_on_a_device_the_group_does_not_serve_is_refused(world, monkeypatch):
+    from minirl import dist
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cuda:nccl")
+    with pytest.raises(RuntimeError, match="serves only"):
+        dist.all_reduce(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="serves only"):
+        dist.broadcast(torch.zeros(1))
+
+
+def test_every_collective_goes_through_dist():
+    """Outside dist.py nothing calls torch.distributed's collectives directly (they would skip the device check)."""
+    import glob
+    import re
+    from conftest import ROOT
+    direct = re.compile(r"torch\.distributed\.(all_reduce|broadcast|all_gather\w*|reduce_scatter\w*|gather|scatter|"
+                        r"send|recv|barrier)\(")
+    hits = [f"{os.path.basename(f)}:{n}" for f in glob.glob(os.path.join(ROOT, "minirl", "*.py"))
+            if not f.endswith("dist.py") for n, line in enumerate(open(f), 1) if direct.search(line)]
+    assert hits == []
+
+
+def test_sharded_models_keep_float32_masters_and_compute_in_bf16(tiny_path, world):
+    """--model.dtype bfloat16: local parameters, gradients and AdamW state float32; the forward in bf16."""
+    from minirl import models
+    for kind in ("policy", "value"):
+        m = models.sharded(tiny_path, kind, world, "bfloat16")
+        seen = []
+        m.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        ids = torch.randint(3, 40, (2, 9))
+        out = models.token_logprobs(m, ids) if kind == "policy" else m(ids)
+        out.sum().backward()
+        opt.step()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        assert seen == [torch.bfloat16]
+        assert {local(p).dtype for p in m.parameters()} == {torch.float32}
+        assert {local(p.grad).dtype for p in m.parameters()} == {torch.float32}
+        assert {local(v).dtype for s in opt.state.values() for v in s.values() if v.numel() > 1} == {torch.float32}

@@ -134,3 +134,44 @@ def test_deterministic_mode_sets_the_knobs(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_update_moves_every_chunk_to_the_trainers_device(tiny_path, world, monkeypatch):
+    """The trainer on `meta` (a card's stand-in), the collected batch on the host: the GRPO update,
+    with the ahead pass, the probe and the reference, never mixes devices in one op (as CUDA refuses)."""
+    from conftest import OneDevice
+    args = grpo_args(mini_batch_per_replica=8, micro_batch_per_replica=4, kl_coef=0.1)
+    meta = torch.device("meta")
+    policy, ref = load_policy(tiny_path).to(meta), load_policy(tiny_path).to(meta).requires_grad_(False)
+    policy.config.minirl_forward_noise = {"tolerance": 2.0}  # meta values are fake: let the probe's numbers pass
+    acc = Accumulator(policy, torch.optim.SGD(policy.parameters(), lr=0.1), args.n_micro, 1.0)
+    batch = synthetic_batch()
+    plan = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch)
+    store = RolloutStore(batch, plan, args.rl.mu_iterations + 1, device=meta)
+    with OneDevice(monkeypatch):
+        calls, steps = update(policy, ref, acc, store, args, Probe(policy), ahead=True)
+    store.close()
+    assert acc.steps == 2 and len(calls) == 4
+    assert all(p.device == meta for p in policy.parameters())
+
+
+def test_reference_scores_a_chunk_before_the_policy(tiny_path, world):
+    """The reference's forward runs (and frees its activations) before the policy's graph exists."""
+    args = grpo_args(micro_batch_per_replica=8, kl_coef=0.1)
+    policy, ref = load_policy(tiny_path), load_policy(tiny_path).requires_grad_(False)
+    order = []
+    policy.register_forward_pre_hook(lambda *_: order.append("policy"))
+    ref.register_forward_pre_hook(lambda *_: order.append("ref"))
+    acc = Accumulator(policy, torch.optim.SGD(policy.parameters(), lr=0.1), args.n_micro)
+    batch = synthetic_batch()
+    store = RolloutStore(batch, plan_chunks(batch["lengths"].tolist(), 1, args.micro_batch), 1)
+    update(policy, ref, acc, store, args, Probe(policy), ahead=False)
+    assert order == ["ref", "policy"] * 2
+
+
+def test_logprob_gap_is_reported_against_the_engines_logprobs(tiny_path, world):
+    """pi_old is the trainer's own by default; the engine's logprobs only feed the drift metric."""
+    _, _, _, calls, _, _ = train(tiny_path, grpo_args(), lr=0.0)
+    # synthetic_batch's engine logprob is -1.0 on every token: the gap is the mean |logp + 1|
+    assert all(c["grpo_logprob_gap"] > 0.1 for c in calls)
+    assert calls[0]["grpo_ratio_max"] == 1.0  # ratio against the trainer's own pi_old, not exp(logp + 1)

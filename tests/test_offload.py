@@ -121,7 +121,7 @@ def test_training_through_offloads_matches_training_without(world):
 
 def handoff(world, enabled=True, level=1):
     model, opt = trainer(world)
-    eng = RecordingEngine("unused", RolloutConfig(sleep_level=level), 32)
+    eng = RecordingEngine("unused", RolloutConfig(sleep_level=level), 32, torch.device("cpu"))
     h = HandOff(eng, TrainerOffload(model, opt), lambda: iter(model.named_parameters()), enabled, level)
     return h, eng
 

@@ -13,7 +13,7 @@ G = 4
 
 @pytest.fixture(scope="module")
 def engine(tiny_path, world):
-    e = Engine(tiny_path, RolloutConfig(max_tokens=6, kv_cache_gib=1), max_model_len=48, seed=0)
+    e = Engine(tiny_path, RolloutConfig(max_tokens=6, kv_cache_gib=1), max_model_len=48, device=world.device, seed=0)
     yield e
     e.close()
 
@@ -135,3 +135,63 @@ def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):
         check_model(tiny_path, RolloutConfig(kv_cache_gib=1e-9), 64)
     with pytest.raises(ConfigError, match="over the model's 256 positions"):
         check_model(tiny_path, RolloutConfig(), 288)  # vLLM would refuse it only after loading the model
+
+
+class RecordedLLM:
+    """Stands in for vllm.LLM: records how, and in which environment, an engine is constructed."""
+
+    built: list = []
+
+    def __init__(self, **kwargs):
+        import os
+        RecordedLLM.built.append({"kwargs": kwargs, **{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE",
+                                                                                    "LOCAL_RANK")}})
+
+
+@pytest.mark.parametrize("card", [0, 1, 5])
+def test_engine_is_built_on_the_card_the_device_map_names(card, monkeypatch, tiny_path):
+    """A disaggregated rollout rank's engine (a private world of one) is built with vLLM's external
+    launcher and LOCAL_RANK = its card: the executor that reads LOCAL_RANK for its device (the
+    single-process one always takes card 0). torchrun's environment is restored afterwards."""
+    import os
+
+    import vllm
+
+    from minirl.dist import device_map
+    monkeypatch.setattr(vllm, "LLM", RecordedLLM)
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    RecordedLLM.built.clear()
+    device = device_map(card, card, 8, 6, "disaggregated", "cuda").engine
+    Engine(tiny_path, RolloutConfig(), 32, device, private=True)
+    built = RecordedLLM.built[0]
+    assert built["LOCAL_RANK"] == str(card) and built["RANK"] == "0" and built["WORLD_SIZE"] == "1"
+    assert built["kwargs"]["distributed_executor_backend"] == "external_launcher"
+    assert built["kwargs"]["gpu_memory_utilization"] == RolloutConfig().gpu_memory_utilization
+    assert os.environ["LOCAL_RANK"] == "7" and os.environ["RANK"] == "7"
+
+
+def test_colocated_engine_refuses_a_card_other_than_local_ranks(monkeypatch, tiny_path):
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", RecordedLLM)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    Engine(tiny_path, RolloutConfig(), 32, torch.device("cuda", 2))  # the card LOCAL_RANK names: built
+    with pytest.raises(RuntimeError, match="LOCAL_RANK"):
+        Engine(tiny_path, RolloutConfig(), 32, torch.device("cuda", 3))
+
+
+def test_cpu_and_cuda_extras_pin_one_vllm_release_and_rollout_uses_public_calls():
+    """The CUDA engine runs the release the CPU suite tests (their Python is the same but for three
+    platform files), and rollout.py reaches past vLLM's public API in one place only (close())."""
+    import os
+    import re
+    import tomllib
+
+    from conftest import ROOT
+    extras = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+    pins = {re.sub(r"^vllm(-cpu)?==", "", x) for k in ("cpu", "cuda") for x in extras[k] if x.startswith("vllm")}
+    assert len(pins) == 1, extras
+    src = open(os.path.join(ROOT, "minirl", "rollout.py")).read()
+    used = set(re.findall(r"self\.llm\.(\w+)", src))
+    assert used == {"generate", "collective_rpc", "sleep", "wake_up", "llm_engine"}, used
+    assert src.count("self.llm.llm_engine") == 1  # Engine.close: vLLM 0.32 has no public shutdown

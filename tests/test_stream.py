@@ -205,3 +205,58 @@ def test_colocated_full_batch_refits_after_critic_training(models, world):
     p.chunk(make_chunk(*CHUNKS[0]))
     p.close()
     assert p.events[-4:] == ["value.ready", "critic.epoch", "critic.epoch", "refit"] and refits == [1]
+
+
+def test_pump_moves_every_chunk_to_the_trainers_device(tiny_path, world, monkeypatch):
+    """Policy and critic on `meta` (a card's stand-in), chunks arriving on the host: value forward,
+    policy forward, GAE, whitening, backward, the step and the critic epochs never mix devices."""
+    from conftest import OneDevice
+    meta = torch.device("meta")
+    policy, value = load_policy(tiny_path).to(meta), load_value(tiny_path).to(meta)
+    acc = Accumulator(policy, torch.optim.SGD(policy.parameters(), lr=0.1), n_micro=None, max_grad_norm=1.0)
+    with OneDevice(monkeypatch):
+        p = TrainPump(policy, value, acc, torch.optim.SGD(value.parameters(), lr=0.1),
+                      PumpConfig(offload=False, critic_micro_rows=3, critic_ppo_epochs=2), step=0,
+                      log=lambda _: None, device=meta)
+        for c in CHUNKS:
+            chunk = make_chunk(*c)
+            p.chunk({**chunk, "rollout_logp": -torch.ones_like(chunk["mask"])})
+        out = p.close()
+    assert p.policy_acc.steps == 1 and out["value_epoch_n"] == 12
+    assert all(c["returns"].device == meta for c in p.chunks)
+
+
+def test_pi_old_is_the_trainers_own_logprob_unless_the_engines_is_asked_for(models, world):
+    """On GPUs the engine's bf16 logprobs differ from the trainer's: by default the ratio starts at
+    exactly 1 against the trainer's own pi_old, and `ppo_logprob_gap` shows the engine's drift."""
+    chunk = make_chunk(*CHUNKS[0])
+    chunk["rollout_logp"] = (torch.full_like(chunk["mask"], -1.0)) * chunk["mask"]
+    p, m = run(models, [chunk])
+    assert m["ppo_ratio_max"] == 1.0 and m["ppo_logprob_gap"] > 0.1
+    assert not torch.equal(p.chunks[0]["old_logp"], chunk["rollout_logp"])
+    q, m = run(models, [chunk], use_rollout_logprobs=True)
+    assert torch.equal(q.chunks[0]["old_logp"], chunk["rollout_logp"]) and m["ppo_ratio_max"] != 1.0
+
+
+def test_critic_micro_batches_equal_the_whole_batch_step(models, world):
+    """--ppo.critic-micro-batch-rows: the critic's step is the same at any micro-batch size (the
+    deferred divisor), on rows of unequal lengths."""
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    whole, _ = run(models, chunks, critic_micro_rows=0)
+    split, _ = run(models, chunks, critic_micro_rows=5)
+    g_w, g_s = whole.value_opt.seen, split.value_opt.seen
+    scale = max(g.abs().max().item() for g in g_w)
+    assert max((a - b).abs().max().item() for a, b in zip(g_w, g_s)) <= 1e-6 * scale
+
+
+def test_policy_micro_batches_equal_the_whole_chunk_step(models, world):
+    """--ppo.policy-micro-batch-rows: each chunk's policy forward/backward in micro-batches (a ragged
+    last one included) gives the same step, and the same frozen pi_old, as whole chunks."""
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    whole, _ = run(models, chunks, normalize_advantages=False)
+    split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3)
+    assert split.events.count("policy.backward") == 2 + 2 + 1
+    g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen
+    scale = max(g.abs().max().item() for g in g_w)
+    assert max((a - b).abs().max().item() for a, b in zip(g_w, g_s)) <= 1e-6 * scale
+    assert all(torch.allclose(a["old_logp"], b["old_logp"], atol=1e-6) for a, b in zip(whole.chunks, split.chunks))

@@ -32,7 +32,7 @@ if roles.trains:
     print(f"TRAIN rank {roles.global_rank} OK")
 else:
     from minirl.rollout import Engine
-    engine = Engine(path, RolloutConfig(max_tokens=4), max_model_len=32, private=True)
+    engine = Engine(path, RolloutConfig(max_tokens=4), max_model_len=32, device=roles.devices.engine, private=True)
     weights = torch.load(io.BytesIO(store.get("weights")), weights_only=True)
     engine.load_weights(weights.items())
     tok = load_tokenizer(path)

@@ -1,0 +1,196 @@
+"""The launch plan, before a GPU is touched: `--dry-run` on both entrypoints.
+
+    python -m minirl.ppo --dry-run --dry-run-world-size 8 --dry-run-device cuda --grid.rollout-ranks 2 ...
+
+validates the flags for the world the flags describe, prints one line per rank,
+
+    rank R: role=<rollout|train|both> trainer=<device or -> engine=<device or -> params=<dtype> compute=<dtype>
+            | <that rank's share> | memory GiB: <terms> | peak <GiB> of <card> (fits|DOES NOT FIT)
+
+and returns without loading weights, building an engine or joining a process group. Devices come
+from `dist.device_map`, the function the real launch uses.
+
+The memory estimate is arithmetic on the model's config.json (a local folder, the built-in model,
+or a hub name already in the local Hugging Face cache; otherwise "memory: unknown"):
+- params: float32 master shards of every trained model (1/dp each), the compute-dtype copies
+  FSDP2 gathers for a forward (the root's embedding/head and two decoder blocks, one prefetched),
+  and the frozen reference in the compute dtype when there is a KL penalty;
+- grads: float32 shards; optimizer: AdamW's two float32 moments per parameter, sharded;
+- activations: what the largest micro-batch's forward keeps for backward (no activation
+  checkpointing), from the tensors a Qwen2/Llama block saves per token;
+- logits: one piece of the chunked logprob head (models.LOGITS_CHUNK vocabulary entries: the
+  compute-dtype logits, their float32 copy and its gradient);
+- engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
+Colocated with the hand-off, engine and trainer take turns: the peak is the larger of the two
+phases. Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate (tens
+of percent), meant to catch a recipe that cannot fit, not to tune one to the last GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+from minirl import dist, models
+from minirl.config import TINY, ConfigError, GRPOArgs, PPOArgs
+
+GIB = 2**30
+BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack
+
+
+def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
+    """Validate `args` for the world the flags name and return (and print, on rank 0) the plan."""
+    world = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
+    device_type = args.dry_run_device or dist.device_type()
+    args.validate(world)
+    hf, source = model_config(args.model)
+    if hf is not None:
+        from minirl.rollout import check_model
+        check_model(source, args.rollout, args.rollout.max_prompt_tokens + args.rollout.max_tokens,
+                    device_type=device_type, hf=hf)
+    lines = plan(args, world, device_type, hf, source)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("\n".join(lines), flush=True)
+    return lines
+
+
+def model_config(cfg) -> tuple[dict | None, str]:
+    """The model's config.json without loading it or touching the network: (config or None, where)."""
+    if cfg.path == TINY:
+        t = cfg.tiny
+        from minirl.models import ALPHABET, SPECIALS
+        return {"vocab_size": len(SPECIALS) + len(ALPHABET), "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
+                "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+                "max_position_embeddings": t.max_positions, "tie_word_embeddings": True}, "the built-in tiny model"
+    found = os.path.join(cfg.path, "config.json") if os.path.isdir(cfg.path) else None
+    if found is None and re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+            hit = try_to_load_from_cache(cfg.path, "config.json")  # local cache only, no network
+            found = hit if isinstance(hit, str) else None
+        except Exception:
+            found = None
+    if found is None or not os.path.isfile(found):
+        if not os.path.isdir(cfg.path) and not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+            raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name, "
+                              f"or `{TINY}`")
+        return None, cfg.path
+    with open(found) as f:
+        return json.load(f), found
+
+
+def parameter_counts(hf: dict) -> dict[str, int]:
+    """Parameters of a Qwen2/Llama-shaped model: the root (embedding, final norm, untied head), one block, all."""
+    h, i, L, V = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    heads = hf["num_attention_heads"]
+    hd = hf.get("head_dim") or h // heads
+    kv = hf.get("num_key_value_heads", heads) * hd
+    attn = h * heads * hd + 2 * h * kv + heads * hd * h + (heads * hd + 2 * kv)  # q, k, v, o + qkv biases (Qwen2)
+    block = attn + 3 * h * i + 2 * h
+    root = V * h + h + (0 if hf.get("tie_word_embeddings", False) else V * h)
+    return {"root": root, "block": block, "total": root + L * block, "kv": kv}
+
+
+def activation_bytes_per_token(hf: dict, compute_bytes: int) -> int:
+    """What one decoder block keeps for backward per token: in the compute dtype the block's input,
+    the two norms' outputs, q, k, v, the attention output and o_proj's input, and the MLP's gate,
+    up, act(gate) and their product (8h + 2kv + 4i values); plus the norms' float32 inputs (2h)."""
+    h, i = hf["hidden_size"], hf["intermediate_size"]
+    kv = parameter_counts(hf)["kv"]
+    return compute_bytes * (8 * h + 2 * kv + 4 * i) + 4 * 2 * h
+
+
+def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> list[str]:
+    grpo = isinstance(args, GRPOArgs)
+    placement = "colocated" if grpo else args.grid.gpu_placement
+    R = 0 if placement == "colocated" else args.grid.rollout_ranks
+    compute = args.model.dtype
+    c = models.DTYPES[compute].itemsize
+    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    head = [f"plan: {'minirl.grpo' if grpo else 'minirl.ppo'}, {world} rank(s) on {device_type}, {placement}; "
+            f"model {source}" + (f" ({parameter_counts(hf)['total'] / 1e9:.2f}B parameters)" if hf else "")]
+    lines = []
+    # One node, unless this process belongs to the launch being planned and torchrun says otherwise.
+    inside = int(os.environ.get("WORLD_SIZE", 0)) == world and "LOCAL_WORLD_SIZE" in os.environ
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if inside else world
+    for g in range(world):
+        d = dist.device_map(g, g % local_world, world, R, placement, device_type)
+        role = "both" if d.trainer and d.engine else ("train" if d.trainer else "rollout")
+        params = "float32" if d.trainer else compute
+        prefix = (f"rank {g}: role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
+                  f"params={params} compute={compute}")
+        share, mem = (_grpo_share(args, world, hf, c, T) if grpo else _ppo_share(args, g, world, R, role, hf, c, T))
+        lines.append(f"{prefix} | {share} | {_memory(args, role, mem, device_type, placement)}")
+    return head + lines
+
+
+def _trainer_terms(hf: dict, dp: int, c: int, models_trained: int, micro_tokens: int, logits: bool,
+                   ref: bool = False) -> dict[str, float]:
+    n = parameter_counts(hf)
+    gathered = c * (n["root"] + 2 * n["block"])
+    out = {"params": (models_trained * 4 * n["total"] / dp + models_trained * gathered
+                      + (c * n["total"] / dp + gathered if ref else 0)) / GIB,
+           "grads": models_trained * 4 * n["total"] / dp / GIB,
+           "optimizer": models_trained * 8 * n["total"] / dp / GIB,
+           "activations": micro_tokens * hf["num_hidden_layers"] * activation_bytes_per_token(hf, c) / GIB,
+           "logits": 0.0}
+    if logits:
+        V = hf["vocab_size"]
+        piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
+        out["logits"] = piece * V * (c + 4 + 4) / GIB
+    return out
+
+
+def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
+    rl = args.rl
+    rows = rl.batch_per_replica // dp
+    micro_rows = args.micro_batch // dp
+    n_micro = "budget" if rl.max_tokens_per_micro_batch else str(args.n_micro)
+    micro_tokens = rl.max_tokens_per_micro_batch or micro_rows * T
+    share = (f"prompts={rows // rl.group_size} rows={rows} n_mini={args.n_mini} n_micro={n_micro} "
+             f"micro_rows={micro_rows if not rl.max_tokens_per_micro_batch else '-'} tokens<={T}")
+    terms = _trainer_terms(hf, dp, c, 1, micro_tokens, True, ref=bool(rl.kl_coef)) if hf else None
+    return share, terms
+
+
+def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int, T: int):
+    p = args.ppo
+    G = p.num_generations_per_prompt
+    if role == "rollout":
+        prompts = len(range(g, p.num_prompts_per_step, R))
+        return f"prompts={prompts} rows={prompts * G} (generates)", ({} if hf else None)
+    dp = world - R
+    rows = p.num_prompts_per_step * G // dp
+    micro = p.policy_micro_batch_rows or rows
+    critic = p.critic_micro_batch_rows or rows
+    share = (f"prompts={p.num_prompts_per_step // dp} rows={rows} n_mini=1 n_micro={math.ceil(rows / micro)} "
+             f"epochs={p.ppo_epochs} critic_rows={critic} tokens<={T}")
+    if not hf:
+        return share, None
+    # policy and critic both resident (conservative: the pump offloads whichever is idle)
+    terms = _trainer_terms(hf, dp, c, 2, max(micro, critic) * T, True)
+    return share, terms
+
+
+def _memory(args, role: str, terms: dict | None, device_type: str, placement: str) -> str:
+    if terms is None:
+        return "memory: unknown (no config.json readable offline; pass a local model folder)"
+    card = args.dry_run_card_gib
+    engine = 0.0
+    if role in ("rollout", "both"):
+        engine = args.rollout.gpu_memory_utilization * card if device_type == "cuda" else args.rollout.kv_cache_gib
+    trainer = sum(terms.values())
+    shown = " ".join(f"{k} {v:.2f}" for k, v in {**terms, "engine": engine}.items())
+    handoff = args.rl.colocated_offload if isinstance(args, GRPOArgs) else args.ppo.colocated_offload
+    if role == "both" and handoff:
+        peak = max(engine, trainer)      # engine and trainer take turns on the card
+    else:
+        peak = engine + trainer
+    peak += BASELINE_GIB
+    if device_type != "cuda":
+        return f"memory GiB: {shown} | peak {peak:.1f} (host memory)"
+    verdict = "fits" if peak <= card else "DOES NOT FIT"
+    return f"memory GiB: {shown} | peak {peak:.1f} of {card:g} ({verdict})"

@@ -1,0 +1,68 @@
+"""models.py: the chosen tokens' logprobs without the full-vocabulary logits of the whole micro-batch
+(equal to the plain log-softmax path, values and gradients)."""
+
+import pytest
+import torch
+
+from minirl import dist, models
+
+
+def big_vocab_model(vocab=151_936, hidden=8):
+    """A one-layer Qwen2 at a real vocabulary and a tiny width, so the logits dwarf everything else."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True, use_cache=False)
+    return Qwen2ForCausalLM(cfg)
+
+
+def grads(model):
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return [full(p.grad).clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_chunked_logprobs_equal_the_plain_log_softmax(tiny_path, world, monkeypatch, fsdp):
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 7 * 50)  # several pieces of 7 tokens at the tiny vocabulary
+    a, b = models.load_policy(tiny_path), models.load_policy(tiny_path)
+    if fsdp:
+        a, b = dist.shard(a, world, torch.float32), dist.shard(b, world, torch.float32)
+    ids = torch.randint(3, 40, (3, 11), generator=torch.Generator().manual_seed(0))
+    w = torch.rand(3, 11, generator=torch.Generator().manual_seed(1))
+    plain, chunked = models.plain_token_logprobs(a, ids), models.token_logprobs(b, ids)
+    assert (plain - chunked).abs().max().item() < 1e-6 and chunked[:, 0].eq(0).all()
+    (plain * w).sum().backward()
+    (chunked * w).sum().backward()
+    ga, gb = grads(a), grads(b)
+    scale = max(g.abs().max().item() for g in ga)
+    assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) <= 1e-6 * scale
+
+
+def test_no_full_vocabulary_logits_for_the_whole_micro_batch(monkeypatch):
+    """At vocab 151,936 the largest tensor made in forward and backward is one piece of logits, not
+    (B, T, V); the plain path makes several of those."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat, _ = tree_flatten(out)
+            self.numel = max([self.numel] + [t.numel() for t in flat if isinstance(t, torch.Tensor)])
+            return out
+
+    model = big_vocab_model()
+    V, B, T = model.config.vocab_size, 2, 64
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 16 * V)  # 16 tokens of logits per piece
+    params = max(p.numel() for p in model.parameters())  # the embedding (and its gradient): V x hidden
+    seen = {}
+    for name, fn in (("plain", models.plain_token_logprobs), ("chunked", models.token_logprobs)):
+        with Largest() as largest:
+            fn(model, ids).sum().backward()
+        seen[name] = largest.numel
+        model.zero_grad()
+    assert seen["plain"] >= B * (T - 1) * V
+    assert seen["chunked"] <= max(16 * V, params)
