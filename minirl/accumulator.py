@@ -12,8 +12,10 @@ One window is `n_micro` calls of `backward(loss, divisor)`, then one optimizer s
   mean and the DP mean is linear over chunks.
 - A non-finite chunk loss poisons its window (B12): gradients are zeroed, the divisor sum is
   reset, and exactly the remaining calls of that window are discarded (`discarding()` is true
-  for them), so the next step sees only the next mini-batch. Finiteness is agreed across ranks
-  first, so every rank takes the same branch and FSDP's collectives stay matched.
+  for them), so the next step sees only the next mini-batch. An open window (n_micro=None, a
+  PPO step) stays poisoned until `finish()`: every later `backward` is refused, and `finish()`
+  takes no step and leaves no gradient behind. Finiteness is agreed across ranks first, so
+  every rank takes the same branch and FSDP's collectives stay matched.
 - `roll_up` (B13): losses and rates token-weighted by the divisor, counts summed.
 
 The caller owns the forward; the window owns backward, scaling, clipping and the step.
@@ -57,7 +59,10 @@ class Accumulator:
         return False
 
     def backward(self, loss: torch.Tensor, divisor: torch.Tensor | float) -> dict | None:
-        """Backpropagate one call; step on the window's last. Returns step metrics when it stepped."""
+        """Backpropagate one call; step on the window's last. Returns step metrics when it stepped,
+        `{"skipped_nonfinite": 1.0}` when this call poisoned the window."""
+        if self.poisoned:  # the rest of a poisoned open window: refused on every rank alike
+            return None
         bad = torch.tensor(0.0 if torch.isfinite(loss.detach()).all() else 1.0)
         if dist.all_reduce(bad, "max").item():
             remaining = self.n_micro - self.calls - 1 if self.n_micro else 0
@@ -77,8 +82,9 @@ class Accumulator:
 
     def finish(self) -> dict:
         """Close the window: scale by 1 / max(sum of divisors, 1), then clip, then step (B8, B9)."""
-        if self.poisoned:  # already counted when the window was poisoned
+        if self.poisoned:  # already counted when the window was poisoned; nothing may leak into the next
             self.poisoned = False
+            self._reset()
             return {}
         scale = 1.0 / max(self.denom, 1.0)
         with torch.no_grad():

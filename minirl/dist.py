@@ -30,6 +30,7 @@ import os
 import random
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,6 +248,45 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
     return roles, World(t_rank, t_world, local_rank, device), store
 
 
+# ---- the refit group: trainer rank 0 and the rollout ranks ----
+
+@dataclass
+class PointGroup:
+    """A process group outside torch's registry: each side's default group excludes the other
+    side, so the members build this one directly on the run's TCPStore. Rank 0 is train rank 0
+    (the rank that gathers the full parameters); ranks 1..R are the rollout ranks."""
+
+    backend: object          # torch's ProcessGroupGloo / ProcessGroupNCCL
+    device: torch.device     # the one device type it takes tensors on
+    rank: int
+    size: int
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        """Start a broadcast of `t` from member `src`; returns its work (`.wait()` before using `t`)."""
+        if t.device.type != self.device.type:
+            raise RuntimeError(f"refit group: a {t.device.type} tensor on a group of {self.device.type} members")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.backend.broadcast([t], opts)
+
+
+def refit_group(store: dist.Store, rank: int, size: int, device: torch.device,
+                timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> PointGroup:
+    """Join the refit group (a rendezvous: returns once all `size` members have called it).
+
+    gloo on CPU; NCCL on CUDA, each member on its own card from device_map. Built the way torch
+    builds a group's backend (torch 2.13 distributed_c10d._new_process_group_helper)."""
+    prefix = dist.PrefixStore("refit/", store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        backend = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+    else:
+        backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+    return PointGroup(backend, device, rank, size)
+
+
 # ---- FSDP2 ----
 
 def shard(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> torch.nn.Module:
@@ -307,6 +347,15 @@ def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def quietly(fn) -> None:
+    """Run a clean-up step while another error is on its way out: report its own failure, never
+    let it replace that error (B24)."""
+    try:
+        fn()
+    except Exception as e:
+        print(f"minirl: clean-up after an error also failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def sigterm_flag():

@@ -1,14 +1,18 @@
 """Advantages: GAE with masked holes, masked whitening, and GRPO group advantages.
 
 Shapes: B sequences, T completion positions, P prompts, G samples per prompt (B = P*G).
-`mask` is 1.0 on the completion tokens that are trained on. Everything here is local to the
-rank that calls it; nothing reduces across ranks (spec/ppo-streaming.md "Advantage
-normalization": under streaming, whitening is per chunk by design).
+`mask` is 1.0 on the completion tokens that are trained on. GAE and group advantages are local
+to the rank that calls them (a row's advantage needs only its own row, a group lives on one
+rank). Whitening is not: each train rank holds only its share of a chunk's (or the batch's)
+rows, so `masked_whiten` takes its moments over every rank's valid entries (S19: "within each
+chunk" under streaming, "over the complete batch" in full batch, never over one rank's shard).
 """
 
 from __future__ import annotations
 
 import torch
+
+from minirl import dist
 
 
 @torch.no_grad()
@@ -41,18 +45,20 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 @torch.no_grad()
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the valid entries only; zero at masked positions.
+    """(x - mean) / std over the valid entries of every rank; zero at masked positions.
 
-    The moments come from masked sums (count, sum, sum of squared deviations), never from
-    boolean indexing, so the result stays on x's device with no host round trip for its shape.
-    With fewer than two valid entries there is no spread to normalise by: the result is centred only.
+    A collective: every rank of the default group calls it at the same point. The moments are
+    two-pass and in float64: count and sum all-reduced, then the sum of squared deviations from
+    that mean all-reduced, so each rank's result equals whitening all ranks' entries together.
+    Masked sums, never boolean indexing: the result stays on x's device. With fewer than two
+    valid entries there is no spread to normalise by: the result is centred only.
     """
     m = mask.to(x.dtype)
-    n = m.sum()
-    mean = (x * m).sum() / n.clamp_min(1)
-    centred = x - mean
-    var = (centred.square() * m).sum() / n.clamp_min(1)
-    scaled = torch.where(n > 1, centred / (var.sqrt() + eps), centred)
+    n, total = dist.all_reduce(torch.stack([m.sum(), (x * m).sum()]).double())
+    mean = total / n.clamp_min(1)
+    centred = x - mean.to(x.dtype)
+    var = dist.all_reduce((centred.square() * m).sum().double().reshape(1))[0] / n.clamp_min(1)
+    scaled = torch.where(n > 1, centred / (var.sqrt().to(x.dtype) + eps), centred)
     return torch.where(mask.bool(), scaled, torch.zeros_like(x))
 
 

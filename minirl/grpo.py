@@ -87,14 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
                         loop_state={"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
 
-    stop = dist.sigterm_flag()
+    stop, terminate = dist.sigterm_flag(), False
     try:
         if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
-            handoff.before_restore()
-            state = checkpoint.load(resume, {"policy": (policy, optimizer)})
+            state = handoff.restore(lambda: checkpoint.load(resume, {"policy": (policy, optimizer)}))
             acc.steps, acc.skipped, probe.done = state["optimizer_steps"], state["skipped"], state["probe_done"]
             log.info(f"resumed from {resume} at step {start}")
-            handoff.publish()
         else:
             handoff.start_fresh()
         record: dict = {}
@@ -165,20 +163,23 @@ def main(argv: list[str] | None = None) -> dict:
             log.write(record)
             if terminate:
                 log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
-                return record
+                break
             if args.log.target_eval_accuracy and record.get("eval_accuracy", 0.0) >= args.log.target_eval_accuracy:
                 log.info(f"eval_accuracy {record['eval_accuracy']:.3f} reached --log.target-eval-accuracy; stopping")
                 break
 
         # ---- final policy in Hugging Face format ----
-        handoff.to_trainer()
-        export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
-        dist.barrier()
+        if not terminate:
+            handoff.to_trainer()
+            export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
+            dist.barrier()
     except BaseException:
         handoff.cleanup()  # B24: never masks the error being raised
+        dist.quietly(engine.close)
         raise
-    finally:
+    else:
         engine.close()
+    finally:
         log.close()
     return record
 

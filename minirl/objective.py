@@ -78,7 +78,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip_eps: float, prefix: str = "value"):
-    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2), token mean."""
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old +- eps) - R)^2), token mean.
+
+    `value_clipfrac` is the share of tokens whose value moved more than eps from its old value
+    (|v - v_old| > eps). verl's `vf_clipfrac` counts a different set: the tokens where the clipped
+    term is the larger of the two (the clip changed the loss).
+    """
     mask = mask.to(values.dtype)
     clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
@@ -98,10 +103,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 @torch.no_grad()
 def logprob_gap(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean |trainer - engine| logprob over this chunk's masked tokens (both at the sampling weights).
+    """Mean |trainer - engine| logprob over this chunk's masked tokens.
 
-    On CPU in float32 it is ~1e-6; on GPUs the engine's bf16 kernels make it larger, and a gap that
-    grows is why minirl takes pi_old from the trainer by default, not from the engine.
+    At the same weights (GRPO) it is the kernels' mismatch: ~1e-6 on CPU in float32, larger for
+    the engine's bf16 kernels on GPUs, which is why minirl takes pi_old from the trainer by default.
+    For PPO under lookahead it also holds the staleness of groups sampled by an older policy.
     """
     mask = mask.to(trainer_logp.dtype)
     return ((trainer_logp - engine_logp).abs() * mask).sum().item() / max(mask.sum().item(), 1.0)

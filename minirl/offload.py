@@ -116,6 +116,15 @@ class HandOff:
         if self.enabled:
             self._do("rollout.sleep", self.engine.sleep, self.level)
 
+    def restore(self, load):
+        """A resumed run's start (B25): the engine sleeps, `load()` restores the trainer, and the
+        restored policy is published before any sampling. Returns what `load()` returns."""
+        self.before_restore()
+        out = []
+        self._do("checkpoint.load", lambda: out.append(load()))
+        self.publish()
+        return out[0]
+
     def to_trainer(self) -> None:
         """generate -> rollout.sleep -> trainer.onload"""
         if self.enabled:
@@ -139,10 +148,18 @@ class HandOff:
     def save_after_publication(self, save) -> None:
         """Validation and emergency saves (B23): the rollout sleeps again and the trainer comes back
         for an exclusive window. A failed save leaves the rollout asleep and re-raises. After a
-        level-2 save the engine's weights are gone: a full weight sync runs before the KV cache wakes."""
+        level-2 save the engine's weights are gone: a full weight sync runs before the KV cache wakes.
+        At level 1 the engine's own host copy comes back: the weights have not changed, no sync."""
         self.to_trainer()
         self._do("checkpoint.save", save)  # raises with the rollout asleep
-        self.publish()
+        if not self.enabled:
+            return  # the engine never slept and the weights did not change
+        if self.level == 2:
+            self.publish()  # the weights were discarded: a full sync before the KV cache wakes
+            return
+        self._do("rollout.wake_up(weights)", self.engine.wake_up, ["weights"])
+        self._do("trainer.offload", self.trainer.offload)
+        self._do("rollout.wake_up(kv_cache)", self.engine.wake_up, ["kv_cache"])
 
     def cleanup(self) -> None:
         """On an exceptional exit: put the rollout to sleep (idempotent; re-releases weights after a

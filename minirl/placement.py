@@ -2,29 +2,39 @@
 
 The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
 (yields (groups taken, this rank's group tensors)), `refit(version, policy)`, `release(step)`,
-`evals(version)`, `save(fn)`; and `start`, `stop`, `cleanup`, `close` around the run.
+`evals(version)`, `save(fn)`; and `start` (which runs a resumed run's checkpoint load when the
+placement allows it, B25), `stop`, `cleanup`, `close` around the run.
 
 - disaggregated (`StoreGroups` on the train ranks, `rollout_rank` on the others): ranks [0, R)
   only generate; ranks [R, N) only train. Rollout rank r generates the step's groups i with
   i % R == r, a few groups per vLLM call, so groups finish in waves; each finished group (token
   ids, engine logprobs, rewards, the policy version that sampled it) goes to a TCPStore at once.
-  Before sampling step s it waits for policy version >= s - max_lookahead_versions (S23) and
-  loads those weights. The controller (train rank 0) polls for ready groups, asks the sampler for
-  the next chunk (tail-aware selection, S16) and tells the other train ranks which groups it took.
+  Before every vLLM call a rollout rank takes each policy version the trainer has announced, in
+  order, and before sampling step s it waits for version >= s - max_lookahead_versions (S23).
+  The controller (train rank 0) polls for ready groups, asks the sampler for the next chunk
+  (tail-aware selection, S16) and tells the other train ranks which groups it took.
+- the refit (refit.py): the weights go from train rank 0 to every rollout rank over the refit
+  group (gloo on CPU, NCCL on GPUs), bucket by bucket, straight into each engine's load; the
+  store only announces versions. Every rollout rank joins every weighted version's broadcast, so
+  the trainer's refit waits for the slowest rollout rank to finish its current vLLM call (smaller
+  --async-rl.rollout-groups-per-call answers sooner). The groups stay on the store: they are
+  small, finish at unpredictable times on several ranks, and a collective would need the trainer
+  to be waiting for each one.
 - colocated (`EngineGroups`, full batch only): every rank generates its share of the step's
   groups with its own engine, which then sleeps through the whole update; the refit after critic
   training wakes it (S13).
 
-Weights and groups cross the store as safetensors bytes, in parts (`put`, `take`): nothing is
-unpickled. On GPUs this transfer should move to NCCL (ENV-NOTES.md); the store keeps the CPU path
-simple and real. Shapes: P prompts, G samples per prompt, rows = groups x G.
+Groups cross the store as safetensors bytes, in parts (`put`, `take`): nothing is unpickled.
+Shapes: P prompts, G samples per prompt, rows = groups x G.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
+import sys
 import time
 from types import SimpleNamespace
 
@@ -32,7 +42,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from minirl import dist, models
+from minirl import dist, models, refit
 from minirl.config import PPOArgs
 from minirl.offload import HandOff
 from minirl.rollout import Engine, Samples
@@ -42,27 +52,34 @@ from minirl.tasks import encode_prompt, held_out_accuracy, make_task, prompt_id
 POLL_S = 0.005
 
 
-# ---- disaggregated: groups and weights cross a TCPStore ----
+# ---- disaggregated: groups cross a TCPStore, weights the refit group ----
 
 class StoreGroups:
-    """The train side of disaggregated placement. Keys: `start` (the step a run begins at),
-    `version/{v}` (policy weights, safetensors; empty = unchanged), `group/{s}/{i}` (one group's
-    samples), `loaded/{r}` (the version rollout rank r holds), `eval/{v}`, `stop`. Blobs are
-    stored in parts (`put`); versions every rollout rank has moved past are dropped."""
+    """The train side of disaggregated placement. Keys: `weights/manifest` (refit.manifest),
+    `start` (the step a run begins at), `version/{v}` ("1": weights follow on the refit group;
+    "0": unchanged), `group/{s}/{i}` (one group's samples, in parts), `loaded/{r}` (the version
+    rollout rank r holds), `eval/{v}`, `stop`. Versions every rollout rank has taken are dropped."""
 
     colocated = False
 
     def __init__(self, args: PPOArgs, store, world: dist.World):
         self.args, self.store, self.world = args, store, world
+        self.dtype = models.DTYPES[args.model.dtype]  # the engine's dtype; the masters are float32
         self.next_eval = 0
         self.t_all_ready = 0.0  # controller: when the step's last group became ready
-        self.published: list[int] = []  # policy versions still in the store
+        self.published: list[int] = []  # version keys still in the store
+        self.group, self.buckets = None, []
 
-    def start(self, step: int, policy, offload) -> None:
+    def start(self, step: int, policy, offload, load=None) -> None:
+        if load is not None:  # a resumed run: no engine shares this card
+            load()
+        if self.world.is_main:  # the refit group's rendezvous waits for the rollout ranks' engines
+            self.buckets = refit.manifest(policy, self.dtype)
+            self.store.set("weights/manifest", json.dumps(self.buckets))
+            self.group = dist.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
+            self.store.set("start", str(step))
         if step:  # resumed: the rollout ranks start from the restored weights
             self.refit(step, policy)
-        if self.world.is_main:
-            self.store.set("start", str(step))
         every = self.args.log.eval_every
         self.next_eval = math.ceil(step / every) * every if every else 0
 
@@ -79,19 +96,23 @@ class StoreGroups:
             yield len(taken), [st_load(take(self.store, f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
 
     def refit(self, version: int, policy) -> None:
-        """Gather the full policy (a collective over the train ranks) and hand it to the rollout ranks."""
-        dtype = models.DTYPES[self.args.model.dtype]  # the engine's dtype; the masters are float32
-        state = ({n: t.to("cpu").contiguous() for n, t in dist.full_parameters(policy, dtype)}
-                 if policy is not None else None)
-        if not self.world.is_main:
-            return
-        put(self.store, f"version/{version}", st_save(state) if state is not None else b"")
-        self.published.append(version)
-        # Drop the versions every rollout rank has moved past: the store must not grow with the run.
-        loaded = [int(self.store.get(k)) if self.store.check([k]) else 0
-                  for k in (f"loaded/{r}" for r in range(self.args.grid.rollout_ranks))]
-        while self.published and self.published[0] < min(loaded):
-            drop(self.store, f"version/{self.published.pop(0)}")
+        """Announce `version`; gather the full policy (a collective over the train ranks) and send it
+        to every rollout rank over the refit group. `policy=None` (critic warmup): a version bump only."""
+        if self.world.is_main:
+            self.store.set(f"version/{version}", "0" if policy is None else "1")  # rollout ranks join the broadcast
+            self.published.append(version)
+        if policy is not None:
+            named = dist.full_parameters(policy, self.dtype)  # every train rank takes part in the gather
+            if self.world.is_main:
+                refit.send(self.group, self.buckets, named)
+            else:
+                for _ in named:
+                    pass
+        if self.world.is_main:  # drop the announcements every rollout rank has taken
+            loaded = [int(self.store.get(k)) if self.store.check([k]) else 0
+                      for k in (f"loaded/{r}" for r in range(self.args.grid.rollout_ranks))]
+            while self.published and self.published[0] <= min(loaded):
+                self.store.delete_key(f"version/{self.published.pop(0)}")
 
     def release(self, step: int) -> None:
         if self.world.is_main:
@@ -134,25 +155,34 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     tok = models.load_tokenizer(path)
     engine = Engine(path, args.rollout, max_model_len, roles.devices.engine, dtype=args.model.dtype, seed=args.seed,
                     private=True)
+    group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
+    buckets = json.loads(store.get("weights/manifest"))
     limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
+
+    def evaluate(version: int) -> None:  # global rank 0 scores every version the run evaluates
+        if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
+            store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
+
     # SIGTERM reaches every rank at once: the trainer finishes its step (it needs this rank's groups),
     # saves and sets `stop`; this rank keeps serving until then and hosts the store until the end.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         start = int(store.get("start"))  # waits for the trainer to build (and maybe restore) its models
         version = max(start - 1, 0)      # a resumed run's weights arrive as version/{start}
+        if start == 0:
+            evaluate(0)                  # the starting weights
+        mine = [i for i in range(P) if i % R == roles.global_rank]
+        k = args.async_rl.rollout_groups_per_call
         for step in range(start, args.steps):
-            version = _catch_up(engine, store, version, step - args.async_rl.sampler.max_lookahead_versions, roles)
-            if version is None:
-                return  # the trainer stopped early: --log.target-eval-accuracy, SIGTERM, or a failure
-            if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
-                store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
-            mine = [i for i in range(P) if i % R == roles.global_rank]
-            k = args.async_rl.rollout_groups_per_call
             for first in range(0, len(mine), k):
-                for i, group in _generate(engine, task, tok, mine[first:first + k], step, args, version):
-                    put(store, f"group/{step}/{i}", st_save(group))
-        if _catch_up(engine, store, version, args.steps, roles) is None:  # the last refit, then the final eval
+                need = step - args.async_rl.sampler.max_lookahead_versions  # S23
+                version = _catch_up(engine, store, group, buckets, version, need, roles, evaluate)
+                if version is None:
+                    return  # the trainer stopped early: --log.target-eval-accuracy, SIGTERM, or a failure
+                for i, g in _generate(engine, task, tok, mine[first:first + k], step, args, version):
+                    put(store, f"group/{step}/{i}", st_save(g))
+        version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate)  # the last refit
+        if version is None:
             return
         if roles.global_rank == 0 and every:
             store.set(f"eval/{args.steps}", str(held_out_accuracy(engine, task, tok, limit)))
@@ -161,27 +191,24 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         engine.close()
 
 
-def _catch_up(engine: Engine, store, version: int, need: int, roles: dist.Roles) -> int | None:
-    """Wait until policy version >= `need` is published, then load the newest one (a version
-    published during critic warmup carries no weights: the newest one that does is loaded).
-    Returns the version now in the engine, or None once the trainer stopped."""
+def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, roles: dist.Roles,
+              evaluate) -> int | None:
+    """Take every version the trainer has announced since `version`, in order: a weighted one is a
+    broadcast every rollout rank joins (refit.receive, straight into the engine). Then wait until
+    version >= `need`. Returns the version now in the engine, or None once the trainer stopped."""
     while True:
-        latest = version
-        while store.check([f"version/{latest + 1}"]):
-            latest += 1
-        if latest >= need:
-            break
+        while store.check([f"version/{version + 1}"]):
+            version += 1
+            if store.get(f"version/{version}") == b"1":
+                engine.load_weights(refit.receive(group, buckets))
+                print(f"rollout rank {roles.global_rank}: loaded policy version {version}", file=sys.stderr, flush=True)
+            store.set(f"loaded/{roles.global_rank}", str(version))  # the trainer may drop the announcement
+            evaluate(version)
+        if version >= need:
+            return version
         if store.check(["stop"]):
             return None
         time.sleep(POLL_S)
-    for v in range(latest, version, -1):
-        blob = take(store, f"version/{v}")
-        if blob:
-            engine.load_weights(st_load(blob).items())
-            break
-    if latest > version:
-        store.set(f"loaded/{roles.global_rank}", str(latest))  # the trainer may now drop older versions
-    return latest
 
 
 # The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.
@@ -245,7 +272,7 @@ class EngineGroups:
                              seed=args.seed, sleep_mode=args.ppo.colocated_offload)
         self.handoff = None
 
-    def start(self, step: int, policy, offload) -> None:
+    def start(self, step: int, policy, offload, load=None) -> None:
         policy_off = offload[0]
         both = SimpleNamespace(offload=lambda: [o.offload() for o in offload],
                                onload=lambda: [o.onload() for o in offload])
@@ -253,9 +280,8 @@ class EngineGroups:
         weights = lambda: (policy_off.onload(), dist.full_parameters(policy, dtype))[1]  # noqa: E731
         self.handoff = HandOff(self.engine, both, weights, enabled=self.args.ppo.colocated_offload,
                                sleep_level=self.args.rollout.sleep_level)
-        if step:
-            self.handoff.before_restore()
-            self.handoff.publish()  # the restored policy, before the first draw
+        if load is not None:
+            self.handoff.restore(load)  # the engine sleeps through the load; the restored policy is published first
         else:
             self.handoff.start_fresh()
 

@@ -86,9 +86,6 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)  # S7
     tok = models.load_tokenizer(path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if resume:
-        checkpoint.load(resume, parts)
-        log.info(f"resumed from {resume} at step {start}")
 
     def save() -> None:  # between steps only: the counters advanced, both models are resident (S11)
         for o in offload:
@@ -97,13 +94,16 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
 
     stop, terminate = dist.sigterm_flag(), False
     try:
-        source.start(start, policy, offload)
+        source.start(start, policy, offload, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
+        if resume:
+            log.info(f"resumed from {resume} at step {start}")
         first = source.evals(start)
         if first:
             log.write({"step": start, **first})
         for step in range(start, args.steps):
             t0, warmup = time.perf_counter(), step < p.critic_warmup_steps
             cfg = PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
+                             value_max_grad_norm=p.max_grad_norm,
                              value_clip_eps=p.clip_eps, normalize_advantages=p.adv_estimator.normalize_advantages,
                              critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=warmup, ppo_epochs=p.ppo_epochs,
                              refit_after_critic=source.colocated, policy_micro_rows=p.policy_micro_batch_rows,
@@ -115,8 +115,9 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
                              device=world.device)
             ready = ReadyGroups(P, a.min_groups_for_streaming_train, a.sampler.name,
                                 a.sampler.max_lookahead_versions, align=world.world_size)
-            rewards, lengths, prompt_tokens, t_first_chunk = [], [], 0, None
+            rewards, lengths, prompt_tokens, t_first_chunk, consumed = [], [], 0, None, 0
             for taken, groups in source.chunks(step, ready):
+                consumed += taken
                 t_first_chunk = t_first_chunk or time.perf_counter()
                 rewards += [g["rewards"] for g in groups]
                 lengths += [g["lengths"] for g in groups]
@@ -134,7 +135,8 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             record = {"step": step, "reward_mean": (totals[0] / totals[1]).item(),
                       "completion_len_mean": (totals[2] / totals[1]).item(),
                       "prompt_len_mean": (totals[3] / totals[1]).item(), **across_ranks(out),
-                      "critic_warmup": warmup, "time/step": dt, "tokens_per_s": totals[2].item() / dt,
+                      "critic_warmup": warmup, "groups_consumed": consumed, "time/step": dt,
+                      "tokens_per_s": totals[2].item() / dt,
                       "time/wait_first_chunk": (t_first_chunk or t0) - t0, **source.evals(step + 1)}
             if source.t_all_ready:  # streaming's tail: last group ready -> update done (bench/streaming.py)
                 record["time/tail"] = t_closed - source.t_all_ready
@@ -161,9 +163,11 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             checkpoint.export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
     except BaseException:
         source.cleanup()
+        dist.quietly(source.close)  # the error that brought us here is the one raised (B24)
         raise
-    finally:
+    else:
         source.close()
+    finally:
         log.close()
 
 

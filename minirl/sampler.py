@@ -77,7 +77,8 @@ class ReadyGroups:
         if step - group.version > self.max_lookahead_versions:
             self.stale_dropped += 1
             return False
-        assert group.index not in self.ready and group.index not in self.claimed, "duplicate group"
+        if group.index in self.ready or group.index in self.claimed:  # `python -O` keeps this check
+            raise ValueError(f"duplicate group {group.index}: it is already {'ready' if group.index in self.ready else 'claimed'}")
         self.ready[group.index] = group
         return True
 

@@ -21,9 +21,13 @@ With `normalize_advantages`, advantages are whitened within each chunk (S19): un
 the chunk is all there is when its backward runs. Critic returns are unaffected, and the policy
 loss divisor is still the whole step's count.
 
-pi_old is the trainer's own logprob at the sampling weights (the policy has not stepped
-within the step), kept for every policy epoch; `use_rollout_logprobs` takes the engine's
-instead. The two differ on GPUs (bf16 kernels), which `ppo_logprob_gap` shows.
+pi_old is the trainer's own logprob at the step's starting weights (the policy has not stepped
+within the step), kept for every policy epoch, as verl recomputes `old_log_prob`. Under
+`max_lookahead_versions` >= 1 a group may have been sampled by a policy up to that many
+versions older: like verl, that staleness is not corrected (the ratio starts at 1).
+`use_rollout_logprobs` takes the engine's logprobs instead, which corrects it, but on GPUs also
+carries the engine's bf16 kernel mismatch. `ppo_logprob_gap` (mean |trainer - engine| logprob)
+shows both together.
 
 Devices: a chunk arrives on the host and moves to the trainer's device once, on entry
 (`batch.to_device`); everything the pump keeps for the close (old values, returns, advantages)
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minirl import dist
 from minirl.accumulator import Accumulator, roll_up
 from minirl.batch import to_device
 from minirl.gae import compute_gae, masked_whiten
@@ -59,6 +64,7 @@ class PumpConfig:
     clip_eps: float = 0.2
     value_clip_eps: float = 0.2
     kl_coef: float = 0.0
+    value_max_grad_norm: float = 0.0  # clip the critic's gradient norm (0 = no clip)
     normalize_advantages: bool = True
     critic_ppo_epochs: int = 1
     policy_micro_rows: int = 0       # rows per policy forward/backward within a chunk; 0 = the whole chunk
@@ -90,6 +96,7 @@ class TrainPump:
     last_chunk_s: float = 0.0        # wall time of the latest chunk's work (the tail benchmark's ideal)
 
     def __post_init__(self):
+        self._skipped_before = self.policy_acc.skipped
         # A run creates the offloaders once and hands them to every step's pump: the host copies
         # of whatever the previous step left offloaded live in them.
         if self.cfg.offload and self.policy_off is None:
@@ -130,6 +137,10 @@ class TrainPump:
         old, refs, gaps = [], [], []
         for rows in self._micro_batches(ids.shape[0], self.cfg.policy_micro_rows):
             part = _slice_rows(entry, rows)
+            if self.policy_acc.poisoned and not self.cfg.critic_warmup:  # this step's update is abandoned (B12)
+                self.events.append("policy.discarded")
+                old.append(torch.zeros_like(part["mask"]))  # never read: the step's policy epochs are skipped
+                continue
             if self.ref is not None and self.cfg.kl_coef:
                 with torch.no_grad():
                     refs.append(token_logprobs(self.ref, part["input_ids"]))  # before the policy's graph exists
@@ -145,8 +156,8 @@ class TrainPump:
                     self.calls[-1]["ppo_logprob_gap"] = gaps[-1]
         if self.cfg.critic_warmup and gaps:
             self.calls.append({"ppo_logprob_gap": sum(gaps) / len(gaps)})
-        # pi_old (the trainer's own at the sampling weights, unless the engine's was asked for) is
-        # frozen here for every policy epoch.
+        # pi_old (the trainer's own at the step's starting weights, unless the engine's was asked
+        # for) is frozen here for every policy epoch.
         self.chunks.append({**entry, "old_logp": torch.cat(old), "ref_logp": torch.cat(refs) if refs else None})
         self.log(f"train_pump: step {self.step} chunk {k} groups={c.get('groups', '?')} rows={ids.shape[0]} "
                  f"tokens={int(mask.sum())}")
@@ -163,8 +174,8 @@ class TrainPump:
     # ---- close the step ----
     def close(self) -> dict:
         t0 = time.perf_counter()
-        total_tokens = sum(float(c["mask"].sum()) for c in self.chunks)
-        if total_tokens == 0:
+        local = sum(float(c["mask"].sum()) for c in self.chunks)
+        if dist.all_reduce(torch.tensor([local], dtype=torch.float64)).item() == 0:  # every train rank agrees
             raise RuntimeError(f"train_pump: step {self.step}: every completion token is masked; "
                                "refusing both updates (S15)")
         out: dict = {}
@@ -174,6 +185,8 @@ class TrainPump:
             self.events.append("policy.step")
             out.update(self.policy_acc.finish())  # scale by the whole step's count, clip, one step (S8)
             for _ in range(1, self.cfg.ppo_epochs):  # full batch only: more epochs against the frozen pi_old
+                if self.skipped:  # a non-finite loss abandoned the step's policy update: no more epochs
+                    break
                 for c in self.chunks:
                     for rows in self._micro_batches(c["input_ids"].shape[0], self.cfg.policy_micro_rows):
                         part = _slice_rows(c, rows)
@@ -187,14 +200,21 @@ class TrainPump:
         if not warm and self.cfg.refit_after_critic:
             self._refit()                         # colocated full batch: generation stayed paused until now (S13)
         self.log(f"train_pump: step {self.step} closing on {len(self.chunks)} chunk(s)")
+        if self.skipped:
+            out["skipped_nonfinite"] = float(self.skipped)
         return {**roll_up(self.calls), **out, "ppo_chunks": float(len(self.chunks)),
                 "time/last_chunk": self.last_chunk_s, "time/close": time.perf_counter() - t0}
+
+    @property
+    def skipped(self) -> int:
+        """Policy windows of this step abandoned for a non-finite loss or gradient."""
+        return self.policy_acc.skipped - self._skipped_before
 
     def _policy_backward(self, logp: torch.Tensor, c: dict) -> None:
         loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], self.cfg.clip_eps, c["ref_logp"],
                                        self.cfg.kl_coef, prefix="ppo")
         self.events.append("policy.backward")
-        self.policy_acc.backward(loss, divisor)
+        self.policy_acc.backward(loss, divisor)  # a non-finite loss poisons the step's window (B12)
         self.calls.append(m)
 
     def _refit(self) -> None:
@@ -206,20 +226,27 @@ class TrainPump:
         """critic_ppo_epochs passes over the assembled batch against the frozen returns (S10)."""
         rows = [(c, i) for c in self.chunks for i in range(c["input_ids"].shape[0])]
         size = self.cfg.critic_micro_rows or len(rows)
-        acc = Accumulator(self.value, self.value_opt, n_micro=None)
-        calls, samples = [], 0
+        acc = Accumulator(self.value, self.value_opt, n_micro=None, max_grad_norm=self.cfg.value_max_grad_norm)
+        calls, samples, norms = [], 0, []
         for _ in range(self.cfg.critic_ppo_epochs):
             self.events.append("critic.epoch")
             for start in range(0, len(rows), size):
                 part = rows[start:start + size]
                 b = _stack(part, ("input_ids", "mask", "old_values", "returns"))
+                if acc.poisoned:  # a non-finite loss abandoned this epoch's critic step
+                    samples += len(part)
+                    continue
                 v = self.value(b["input_ids"])
                 loss, divisor, m = value_loss(v, b["old_values"], b["returns"], b["mask"], self.cfg.value_clip_eps)
                 acc.backward(loss, divisor)
                 calls.append(m)
                 samples += len(part)
-            acc.finish()
-        return {**roll_up(calls), "value_epoch_n": samples / self.cfg.critic_ppo_epochs}
+            norms.append(acc.finish().get("grad_norm", float("nan")))
+        out = {**roll_up(calls), "value_epoch_n": samples / self.cfg.critic_ppo_epochs,
+               "value_grad_norm": norms[-1]}
+        if acc.skipped:
+            out["value_skipped_nonfinite"] = float(acc.skipped)
+        return out
 
 
 def _slice_rows(c: dict, rows: slice) -> dict:

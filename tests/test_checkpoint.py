@@ -45,6 +45,14 @@ def test_resume_is_exact(straight, tmp_path):
     assert records(straight) == records(tmp_path)
 
 
+def test_scheduled_saves_publish_once_per_step(straight):
+    """B22: a scheduled save at a step that does not validate runs inside the update's window, so a
+    save step syncs the engine once, like any other (down the after-publication path it would be twice)."""
+    recs = [r for r in records(straight) if "reward_mean" in r]
+    assert len(recs) == 4 and sorted(os.listdir(straight / "checkpoints")) == ["step_00000002", "step_00000004"]
+    assert [r["weight_syncs"] for r in recs] == [1, 1, 1, 1]
+
+
 def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight, tmp_path):
     p = grpo(tmp_path, "--steps", "4", env={"MINIRL_FAULT": "kill_in_save:4"})
     assert p.returncode == -signal.SIGKILL
@@ -86,11 +94,13 @@ def test_sigterm_saves_and_exits(tmp_path):
 
 
 def test_profile_records_the_colocated_cycle_with_the_real_engine(tmp_path):
-    p = grpo(tmp_path, "--steps", "2", "--checkpoint.every", "0", env={"MINIRL_PROFILE_LOOP": "1"})
+    """B20 and B27; and B22: every step saves (a scheduled save, no validation), inside the update's
+    window: after training, before the weights are published, with no extra hand-off."""
+    p = grpo(tmp_path, "--steps", "2", "--checkpoint.every", "1", env={"MINIRL_PROFILE_LOOP": "1"})
     assert p.returncode == 0
     for line in open(tmp_path / "metrics.jsonl"):
         prof = json.loads(line)["grpo_step"]
-        assert prof["phases"] == ["generate", "score", "rollout.sleep", "trainer.onload", "train",
+        assert prof["phases"] == ["generate", "score", "rollout.sleep", "trainer.onload", "train", "checkpoint.save",
                                   "rollout.wake_up(weights)", "weight_sync", "trainer.offload",
                                   "rollout.wake_up(kv_cache)"]
         assert 0 < prof["train/optimizer_s"] < prof["train/s"]

@@ -1,8 +1,9 @@
-"""config.py: derived counts and every validation error names its flag (B1, B2, B11)."""
+"""config.py: derived counts and every validation error names its flag (B1, B2, B11); PPO's
+streaming support limits (S1, S20)."""
 
 import pytest
 
-from minirl.config import ConfigError, GRPOArgs
+from minirl.config import ConfigError, GRPOArgs, PPOArgs
 
 
 def args(**rl):
@@ -38,6 +39,16 @@ def test_bad_sizes_name_the_flag(rl, flag):
         args(**rl).validate(1)
 
 
+def test_micro_batch_must_split_over_the_data_parallel_ranks():
+    """Every level divides the one above (16 / 16 / 2 rows) and the batch splits into whole groups
+    over 4 ranks, but a micro-batch of 2 rows cannot be shared by 4 ranks (B2)."""
+    a = args(batch_per_replica=16, group_size=4, micro_batch_per_replica=2)
+    a.validate(1)
+    a.validate(2)
+    with pytest.raises(ConfigError, match=r"--rl\.micro-batch-per-replica"):
+        a.validate(4)
+
+
 def test_grad_accum_is_retired_for_grpo():
     with pytest.raises(ConfigError, match="retired"):
         args(grad_accum=2).validate(1)
@@ -61,3 +72,28 @@ def test_grpo_refuses_disaggregated_placement():
     a.grid.gpu_placement, a.grid.rollout_ranks = "disaggregated", 1
     with pytest.raises(ConfigError, match="--grid.gpu-placement colocated"):
         a.validate(2)
+
+
+# ---- PPO (S1, S20) ----
+
+@pytest.mark.parametrize("change, flag", [
+    (lambda a: setattr(a.ppo, "ppo_epochs", 2), "--ppo.ppo-epochs"),  # streaming (min 4 < 16 prompts)
+    (lambda a: setattr(a.grid, "gpu_placement", "colocated"), "separate generation ranks"),
+    (lambda a: setattr(a.async_rl.sampler, "name", "random"), "--async-rl.sampler.name"),
+    (lambda a: setattr(a.grid, "rollout_ranks", 0), "separate generation ranks"),
+    (lambda a: setattr(a.async_rl, "min_groups_for_streaming_train", 0), "--async-rl.min-groups-for-streaming-train"),
+])
+def test_support_limits_are_rejected_at_setup(change, flag):
+    a = PPOArgs()
+    change(a)
+    with pytest.raises(ConfigError, match=flag.replace(".", r"\.")):
+        a.validate(2)
+
+
+def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
+    a = PPOArgs()
+    a.async_rl.min_groups_for_streaming_train = a.ppo.num_prompts_per_step
+    a.ppo.ppo_epochs = 3
+    a.validate(2)
+    a.grid.gpu_placement = "colocated"
+    a.validate(1)

@@ -56,6 +56,21 @@ def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.dist
+def test_four_ranks_match_one_rank(one_rank, tmp_path):
+    """torchrun --nproc-per-node 4: four FSDP2 shards and four colocated engines (one thread each),
+    one group per rank per step, reach what one rank reaches."""
+    d1, _ = one_rank
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+             "-m", "minirl.grpo", *STEPS, "--log.run-dir", str(tmp_path)], timeout=900)
+    assert p.returncode == 0
+    r1, r4 = records(d1), records(tmp_path)
+    assert [r["reward_mean"] for r in r1] == [r["reward_mean"] for r in r4]
+    assert [r["weight_syncs"] for r in r4] == [1, 1, 1]
+    a, b = load_file(d1 / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
 def test_bad_flags_fail_fast_naming_the_flag(tmp_path):
     for flags, flag in [(["--model.path", str(tmp_path / "nope")], "--model.path"),
                         (["--model.tiny.num-heads", "8"], "--model.tiny.num-heads"),

@@ -175,3 +175,40 @@ def test_logprob_gap_is_reported_against_the_engines_logprobs(tiny_path, world):
     # synthetic_batch's engine logprob is -1.0 on every token: the gap is the mean |logp + 1|
     assert all(c["grpo_logprob_gap"] > 0.1 for c in calls)
     assert calls[0]["grpo_ratio_max"] == 1.0  # ratio against the trainer's own pi_old, not exp(logp + 1)
+
+
+def test_ahead_pass_scores_in_eval_mode_without_grad_and_pairs_chunks_by_call_order(tiny_path, world):
+    """B17: the ahead pass runs in eval() under no_grad(), the training calls in train() with grad;
+    and at learning rate 0 every call's ratio is exactly 1, which holds only if each call is scored
+    against its own chunk's record (2 mini-batches x 2 micro-batches of different rows and lengths)."""
+    args = grpo_args(mini_batch_per_replica=8, micro_batch_per_replica=4)
+    policy = dist.shard(load_policy(tiny_path), world, torch.float32)
+    modes = []
+    policy.register_forward_pre_hook(lambda m, a: modes.append((m.training, torch.is_grad_enabled())))
+    *_, calls, _, plan = train(tiny_path, args, lr=0.0, model=policy)
+    assert len(plan) == 2 and all(len(m) == 2 for m in plan)
+    # the ahead pass's 4 chunks in eval() without grad; the probe re-scores the first in train(); then training
+    assert modes == [(False, False), (True, False), *[(False, False)] * 3, *[(True, True)] * 4]
+    assert all(c["grpo_ratio_max"] == 1.0 and c["grpo_clipfrac"] == 0.0 for c in calls)
+
+
+def test_probe_defaults_are_strict_and_it_runs_once_per_run(tiny_path, world, monkeypatch):
+    """B19: a model that declares no forward noise gets 0.05 nats on any token (tolerance 0), a
+    declared one gets its own; the probe scores the first ahead chunk of the run and never again."""
+    model = dist.shard(load_policy(tiny_path), world, torch.float32)
+    probe = Probe(model)
+    assert (probe.nats, probe.tolerance) == (0.05, 0.0)
+    model.config.minirl_forward_noise = {"nats": 0.2, "tolerance": 0.01}
+    assert (Probe(model).nats, Probe(model).tolerance) == (0.2, 0.01)
+    del model.config.minirl_forward_noise
+    runs = []
+    real = Probe.__call__
+    monkeypatch.setattr(Probe, "__call__", lambda self, *a: (runs.append(1), real(self, *a))[1])
+    args = grpo_args(mini_batch_per_replica=8)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.01), args.n_micro)
+    for _ in range(2):  # two collected batches, one probe
+        batch = synthetic_batch()
+        store = RolloutStore(batch, plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch), 2)
+        update(model, None, acc, store, args, probe, ahead=True)
+        store.close()
+    assert runs == [1] and probe.done and probe.fraction == 0.0

@@ -153,17 +153,30 @@ def test_scheduled_save_runs_inside_the_update_window_before_publication(world):
     assert h.events[-7:] == CYCLE[:2] + ["checkpoint.save"] + CYCLE[2:]
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_validation_save_after_publication_sleeps_rollout_and_resyncs(world, level):
-    h, eng = handoff(world, level=level)
+def test_validation_save_after_publication_at_level_2_sleeps_rollout_and_resyncs(world):
+    h, eng = handoff(world, level=2)
     h.start_fresh()
     h.to_trainer()
     h.publish()
     eng.generate()  # validation
     h.save_after_publication(lambda: None)
     assert h.events[-7:] == CYCLE[:2] + ["checkpoint.save"] + CYCLE[2:]
-    assert eng.log[-4:] == ["sleep:%d" % level, "wake:weights", "load_weights", "wake:kv_cache"]
-    eng.generate()  # level 2: only possible because the full sync ran before the KV cache woke
+    assert eng.log[-4:] == ["sleep:2", "wake:weights", "load_weights", "wake:kv_cache"]
+    eng.generate()  # only possible because the full sync ran before the KV cache woke
+
+
+def test_validation_save_after_publication_at_level_1_wakes_without_a_second_sync(world):
+    """Level 1 keeps the engine's weights on the host: they come back unchanged, so the step's one
+    publication stands (B23 asks for the re-sync after a level-2 save only)."""
+    h, eng = handoff(world, level=1)
+    h.start_fresh()
+    h.to_trainer()
+    h.publish()
+    h.save_after_publication(lambda: None)
+    assert h.events[-6:] == CYCLE[:2] + ["checkpoint.save", "rollout.wake_up(weights)", "trainer.offload",
+                                        "rollout.wake_up(kv_cache)"]
+    assert eng.loads == 1 and eng.log[-3:] == ["sleep:1", "wake:weights", "wake:kv_cache"]
+    eng.generate()
 
 
 def test_failed_save_leaves_rollout_asleep(world):
@@ -238,3 +251,40 @@ def test_offload_frees_device_memory_and_onload_restores_it():
     off.onload()
     assert torch.cuda.memory_allocated() >= held - 2**20
     assert all(torch.equal(a, b.cpu()) for a, b in zip(before, snapshot(model, opt)))
+
+
+class RecordedLLM:
+    """Stands in for vllm.LLM's sleep and wake_up, counting what really reaches vLLM."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep:{level}")
+
+    def wake_up(self, tags):
+        self.calls.append("wake:" + "+".join(tags))
+
+
+def test_a_second_sleep_adds_nothing(world):
+    """B24: sleep is idempotent: asleep, a second sleep reaches neither vLLM nor the engine's events;
+    after a weights-only wake, sleep releases the weights again."""
+    eng = RecordingEngine("unused", RolloutConfig(), 32, torch.device("cpu"))
+    eng._vllm_sleeps, eng.llm = True, RecordedLLM()
+    eng.sleep(1)
+    eng.sleep(1)
+    assert eng.llm.calls == ["sleep:1"] and list(eng.events) == ["sleep:1"]
+    eng.wake_up(["weights"])
+    eng.sleep(1)
+    assert eng.llm.calls == ["sleep:1", "wake:weights", "sleep:1"] and eng.state == "asleep"
+
+
+def test_restore_sleeps_the_engine_loads_then_publishes(world):
+    """B25 as the entrypoints run it (`HandOff.restore`): the engine sleeps before the checkpoint
+    loads, and the restored policy is published before any sampling."""
+    h, eng = handoff(world)
+    state = h.restore(lambda: (eng.log.append("checkpoint.load"), {"steps_done": 3})[1])
+    eng.generate()
+    assert state == {"steps_done": 3}
+    assert h.events == ["rollout.sleep", "checkpoint.load", *CYCLE[2:]]
+    assert eng.log == ["sleep:1", "checkpoint.load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]

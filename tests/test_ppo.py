@@ -1,9 +1,11 @@
-"""End to end with the real vLLM engine: `torchrun -m minirl.ppo` with one rollout rank and one or
-two train ranks streaming chunks through the train pump (S1, S3, S11, S20, S22), and colocated full
+"""ppo.py. The trainer loop's order with a recording group source and no engine (S11, S13); then
+end to end with the real vLLM engine: `torchrun -m minirl.ppo` with one rollout rank and one, two or
+six train ranks streaming chunks through the train pump (S3, S11, S21, S22), and colocated full
 batch with several policy epochs on one process (S13)."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -11,11 +13,94 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run, sigterm_after
-from minirl.config import ConfigError, PPOArgs
+from minirl.config import PPOArgs
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+def e2e(test):
+    """The real engine, end to end: a slow test."""
+    return pytest.mark.vllm(pytest.mark.slow(test))
 
 
+class RecordingSource:
+    """A group source without engines: each step's groups are made up on the spot, and every call
+    the trainer loop makes lands in `events` (beside the pump's critic training and the log)."""
+
+    t_all_ready = 0.0
+
+    def __init__(self, args, colocated: bool, events: list):
+        self.args, self.colocated, self.events = args, colocated, events
+
+    def start(self, step, policy, offload, load=None):
+        self.events.append("start")
+
+    def chunks(self, step, ready):
+        from minirl.placement import _group
+        from minirl.rollout import Samples
+        from minirl.sampler import Group
+        P, G = self.args.ppo.num_prompts_per_step, self.args.ppo.num_generations_per_prompt
+        g = torch.Generator().manual_seed(step)
+        comps = [torch.randint(3, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (P * G,), generator=g)]
+        s = Samples([0] * P * G, [[5, 6, 7]] * P * G, comps, [[-1.0] * len(c) for c in comps], ["stop"] * P * G)
+        groups = [_group(s, slice(i * G, (i + 1) * G), [float(j % 2) for j in range(G)], step) for i in range(P)]
+        ready.claimed.update({i: Group(i, step) for i in range(P)})
+        self.events.append("chunk")
+        yield P, groups
+
+    def refit(self, version, policy):
+        self.events.append("refit")
+
+    def release(self, step):
+        self.events.append("release")
+
+    def evals(self, version):
+        return {}
+
+    def final_eval(self, steps):
+        return {}
+
+    def save(self, fn):
+        self.events.append("save")
+        fn()
+
+    def stop(self):
+        self.events.append("stop")
+
+    def cleanup(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, world, tmp_path, monkeypatch,
+                                                                      colocated):
+    """Per step: the chunk, then the policy update and refit, the critic epochs (S9: refit first on
+    separate rollout ranks; S13: refit after the critic when colocated), and only then the groups'
+    release, the step's log record and the checkpoint (S11)."""
+    import signal
+
+    from minirl import ppo
+    from minirl.logger import RunLog
+    from minirl.stream import TrainPump
+    events = []
+    critic, write = TrainPump._train_critic, RunLog.write
+    monkeypatch.setattr(TrainPump, "_train_critic", lambda self: (events.append("critic"), critic(self))[1])
+    monkeypatch.setattr(RunLog, "write", lambda self, r: (events.append("log"), write(self, r))[1])
+    args = PPOArgs()
+    args.steps, args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt = 2, 2, 2
+    args.ppo.critic_ppo_epochs, args.checkpoint.every, args.log.run_dir = 1, 1, str(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ppo.train(args, tiny_path, world, RecordingSource(args, colocated, events), resume=None)
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # ppo.train installs its SIGTERM handler
+    update = ["critic", "refit"] if colocated else ["refit", "critic"]
+    step = ["chunk", *update, "release", "log", "save"]
+    assert events == ["start", *step, *step, "stop"], events
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
+
+
+@e2e
 def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",
              "--steps", "3", "--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4",
@@ -36,27 +121,32 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     assert (tmp_path / "final" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("change, flag", [
-    (lambda a: setattr(a.ppo, "ppo_epochs", 2), "--ppo.ppo-epochs"),  # streaming (min 4 < 16 prompts)
-    (lambda a: setattr(a.grid, "gpu_placement", "colocated"), "separate generation ranks"),
-    (lambda a: setattr(a.async_rl.sampler, "name", "random"), "--async-rl.sampler.name"),
-    (lambda a: setattr(a.grid, "rollout_ranks", 0), "separate generation ranks"),
-    (lambda a: setattr(a.async_rl, "min_groups_for_streaming_train", 0), "--async-rl.min-groups-for-streaming-train"),
-])
-def test_support_limits_are_rejected_at_setup(change, flag):
-    a = PPOArgs()
-    change(a)
-    with pytest.raises(ConfigError, match=flag.replace(".", r"\.")):
-        a.validate(2)
-
-
-def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
-    a = PPOArgs()
-    a.async_rl.min_groups_for_streaming_train = a.ppo.num_prompts_per_step
-    a.ppo.ppo_epochs = 3
-    a.validate(2)
-    a.grid.gpu_placement = "colocated"
-    a.validate(1)
+@e2e
+@pytest.mark.dist
+def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_chunks(tmp_path):
+    """The world users launch: torchrun --nproc-per-node 8 with 2 rollout ranks and 6 train ranks
+    (one thread each). Chunks are whole multiples of the 6 train ranks, each step consumes its 12
+    groups exactly once, some step streams in more than one chunk, and both rollout ranks take
+    every policy version over the refit group."""
+    P, G, dp = 12, 2, 6
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8", "-m", "minirl.ppo",
+             "--grid.rollout-ranks", "2", "--steps", "3", "--ppo.num-prompts-per-step", str(P),
+             "--ppo.num-generations-per-prompt", str(G), "--async-rl.min-groups-for-streaming-train", "6",
+             "--async-rl.rollout-groups-per-call", "1", "--async-rl.sampler.max-lookahead-versions", "0",
+             "--log.eval-every", "0", "--log.run-dir", str(tmp_path)], timeout=900)
+    assert p.returncode == 0
+    chunks = [tuple(map(int, c)) for c in re.findall(r"train_pump: step (\d+) chunk \d+ groups=(\d+) rows=(\d+)",
+                                                     p.stderr)]
+    for step in range(3):
+        mine = [(groups, rows) for s, groups, rows in chunks if s == step]
+        assert sum(groups for groups, _ in mine) == P
+        assert all(groups % dp == 0 and rows == groups * G // dp for groups, rows in mine)
+    assert max(sum(1 for s, _, _ in chunks if s == step) for step in range(3)) > 1
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "reward_mean" in line]
+    assert [r["groups_consumed"] for r in recs] == [P] * 3
+    for rank in (0, 1):
+        loaded = re.findall(rf"rollout rank {rank}: loaded policy version (\d+)", p.stderr)
+        assert loaded == ["1", "2", "3"], loaded
 
 
 def test_store_blobs_over_the_8_mib_store_limit_go_in_parts_and_are_dropped_whole():
@@ -90,6 +180,7 @@ def steps_logged(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if "reward_mean" in line]
 
 
+@e2e
 def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     """1 rollout + 2 train ranks: chunks stay aligned to the DP size, the critic sees P x G samples,
     checkpoints land only between steps (counters already advanced) and a resume continues (S11, S21)."""
@@ -109,6 +200,7 @@ def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     assert all(r["value_epoch_n"] == 8 * 4 for r in recs)
 
 
+@e2e
 def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
     """One process generates and trains; the engine sleeps through both updates and wakes at the
     refit after critic training. Resuming from the step-2 checkpoint reproduces step 2 and the final policy."""
@@ -126,6 +218,7 @@ def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@e2e
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path, placement):
     """SIGTERM (to torchrun, which passes it on, or to the one colocated process): a rollout rank

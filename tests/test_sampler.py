@@ -43,7 +43,7 @@ def test_rules_hold_for_every_state():
     for remaining in range(1, 25):
         for minimum in range(1, 25):
             for align in (1, 2, 4):
-                for ready in range(0, remaining + 1):
+                for ready in range(0, remaining + 9):  # more ready than the batch has left, too
                     n = select_count(ready, remaining, minimum, align)
                     if n == 0:
                         continue
@@ -52,6 +52,15 @@ def test_rules_hold_for_every_state():
                     assert n >= minimum or n == final
                     left = remaining - n
                     assert n == final or left >= math.ceil(minimum / 2)
+
+
+def test_selection_is_capped_at_the_batch_remainder():
+    """More groups ready than the step has left (a later step's groups, under ready_first): the
+    selection is the remainder, never more."""
+    assert select_count(50, 40, 32) == 40
+    assert select_count(50, 40, 32, align=8) == 40
+    assert select_count(50, 45, 32, align=8) == 40  # capped, then aligned down: the final flush
+    assert select_count(200, 128, 32) == 128
 
 
 def test_largest_selection_is_deferred_not_trimmed():
@@ -109,7 +118,10 @@ def test_stale_groups_are_not_consumed():
 def test_duplicate_group_is_refused():
     rg = ReadyGroups(num_prompts=4, min_groups=1)
     rg.add(Group(0, 0), 0)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="duplicate group 0: it is already ready"):
+        rg.add(Group(0, 0), 0)
+    rg.take()
+    with pytest.raises(ValueError, match="already claimed"):  # a raise, not an assert: `python -O` keeps it
         rg.add(Group(0, 0), 0)
 
 

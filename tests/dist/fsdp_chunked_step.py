@@ -1,13 +1,15 @@
 """Two ranks, FSDP2 over gloo: one optimizer step whose mini-batch is split over 2 ranks x 2 micro-batches
-of unequal lengths equals the single-process step on the whole batch; the full parameters gathered
-for the engine equal the trainer's. Run by tests/test_dist.py under torchrun --standalone."""
+of unequal lengths equals the single-process step on the whole batch; the logged loss and counts,
+rolled up per rank and then across ranks (B13), equal the whole batch's token mean and totals though
+the ranks hold unequal token counts; the full parameters gathered for the engine equal the trainer's.
+Run by tests/test_dist.py under torchrun --standalone."""
 
 import sys
 
 import torch
 
 from minirl import dist
-from minirl.accumulator import Accumulator
+from minirl.accumulator import Accumulator, across_ranks, roll_up
 from minirl.models import load_policy, token_logprobs
 from minirl.objective import policy_loss
 from minirl.tasks import dp_partition
@@ -28,7 +30,8 @@ opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
 logp = token_logprobs(ref, ids)
 ratio = torch.exp(logp - logp.detach())
 per_tok = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
-((per_tok * mask).sum() / mask.sum()).backward()
+ref_loss = (per_tok * mask).sum() / mask.sum()
+ref_loss.backward()
 ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
 opt_ref.step()
 
@@ -48,12 +51,21 @@ def recording_step(*a, **k):
 opt.step = recording_step
 acc = Accumulator(policy, opt, n_micro=2)
 rows = dp_partition([(i // 2, i % 2) for i in range(B)], world.rank, world.world_size)  # whole groups of 2
+calls = []
 for micro in range(2):
     r = rows[micro * 2:(micro + 1) * 2]
     logp = token_logprobs(policy, ids[r])
-    loss, div, _ = policy_loss(logp, logp.detach(), adv[r], mask[r], clip_eps=0.2)
+    loss, div, m = policy_loss(logp, logp.detach(), adv[r], mask[r], clip_eps=0.2)
+    calls.append(m)
     acc.backward(loss, div)
 assert acc.steps == 1
+local_tokens = mask[rows].sum().item()
+others = dist.all_reduce(torch.tensor([local_tokens]))
+assert others.item() - local_tokens != local_tokens, "the two ranks should hold unequal token counts"
+logged = across_ranks(roll_up(calls))
+assert abs(logged["grpo_loss"] - ref_loss.item()) < 1e-6, (logged["grpo_loss"], ref_loss.item())
+assert logged["grpo_tokens"] == mask.sum().item() and logged["grpo_n"] == B
+assert abs(logged["grpo_denom"] * world.world_size - mask.sum().item()) < 1e-6  # the DP mean of the count
 
 grad_diff = max((seen[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
 full = dict(dist.full_parameters(policy))
