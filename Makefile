@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo
+	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo --log.overwrite
 	$(BIN)/python -m minirl.plot runs/demo
 
 test: install

@@ -1,4 +1,4 @@
-"""The trainer side on a lent GPU (no vLLM there, ENV-NOTES.md): one prepared run, one JSON.
+"""The trainer side on a lent GPU (no vLLM there: its CUDA wheel is too large to carry): one prepared run, one JSON.
 
     bash bench/gpu_check.sh                            # on the H200 (through the device tool)
     python bench/gpu_check.py --size tiny --rows 4 --completion 64   # CPU smoke run of the same code

@@ -1,5 +1,5 @@
-"""Peak memory of one GRPO optimizer step, un-chunked vs micro-batched (spec/batching.md: "Micro-batching
-is what fixes the OOM"), through the real update path (grpo.update, FSDP2 world of one, CPU).
+"""Peak memory of one GRPO optimizer step, un-chunked vs micro-batched (B16: micro-batching
+is what fixes the OOM), through the real update path (grpo.update, FSDP2 world of one, CPU).
 
     python bench/micro_memory.py --n-micro 1 8           # peaks side by side, and the gradient difference
     python bench/micro_memory.py --n-micro 1 --budget-mib 300   # fails (exit 3) if the step needs more

@@ -1,6 +1,6 @@
 """The optimizer-step window: deferred normalization, scale -> clip -> step, the poisoned window.
 
-spec/batching.md, "The hard part", "The poisoned-window countdown" and "Metric roll-up".
+Rules B5-B13 of docs/invariants.md: deferred normalization, the poisoned window, the metric roll-up.
 One window is `n_micro` calls of `backward(loss, divisor)`, then one optimizer step:
 
 - n_micro == 1: `loss.backward()` exactly as the single-call path always did (B7): the
@@ -36,10 +36,12 @@ MAXIMA = ("_max",)                     # metric suffixes reduced by max
 
 class Accumulator:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, n_micro: int | None,
-                 max_grad_norm: float = 0.0, scheduler=None):
+                 max_grad_norm: float = 0.0, schedule=None):
         """n_micro=None opens a window of unknown length (PPO streaming: the chunk count is decided
-        by the sampler at run time); the caller closes it with `finish()`."""
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        by the sampler at run time); the caller closes it with `finish()`. `schedule(k)`: the
+        learning rate of optimizer step k (`lr_schedule`), set before every step; None = the
+        optimizer's own."""
+        self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.n_micro, self.max_grad_norm = n_micro, max_grad_norm
         self.calls = 0          # calls so far in the current window
         self.denom = 0.0        # sum of divisors in the current window
@@ -47,7 +49,7 @@ class Accumulator:
         self.steps = 0          # optimizer steps taken
         self.skipped = 0        # windows abandoned for a non-finite loss or gradient
         self.poisoned = False   # an open window hit a non-finite loss: drop calls until finish()
-        self.step_s = 0.0       # wall time spent in clip + optimizer/scheduler steps (MINIRL_PROFILE_LOOP)
+        self.step_s = 0.0       # wall time spent in clip + optimizer steps (MINIRL_PROFILE_LOOP)
 
     def discarding(self) -> bool:
         """True (and consumes one) while the rest of a poisoned window is being dropped; skip the call."""
@@ -100,9 +102,10 @@ class Accumulator:
             self._reset()
             self.skipped += 1
             return {"skipped_nonfinite": 1.0, "grad_norm": norm}
+        if self.schedule is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.schedule(self.steps)
         self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
         self._reset()
         self.steps += 1
         self.step_s += time.perf_counter() - t0
@@ -111,6 +114,40 @@ class Accumulator:
     def _reset(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.calls, self.denom = 0, 0.0
+
+
+def lr_schedule(peak: float, warmup: int, total: int, kind: str = "constant", min_ratio: float = 0.0):
+    """The learning rate of optimizer step k (0-based): linear warmup to `peak` over `warmup` steps,
+    then constant, or a cosine from `peak` down to `min_ratio * peak` at step `total - 1`."""
+    def lr(k: int) -> float:
+        if k < warmup:
+            return peak * (k + 1) / warmup
+        if kind == "constant":
+            return peak
+        progress = min(1.0, (k - warmup) / max(1, total - 1 - warmup))
+        return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return lr
+
+
+class StalledError(RuntimeError):
+    """The run stopped because its updates kept coming out non-finite; the message says why."""
+
+
+class Stall:
+    """Counts consecutive steps that took no optimizer step (every window skipped as non-finite) and
+    stops the run after `limit` of them: a policy that only produces NaN losses cannot learn again,
+    and training on would only overwrite checkpoints and the export with it."""
+
+    def __init__(self, limit: int, hint: str):
+        self.limit, self.hint, self.in_a_row = limit, hint, 0
+
+    def step(self, stepped: bool, step: int) -> None:
+        self.in_a_row = 0 if stepped else self.in_a_row + 1
+        if self.in_a_row >= self.limit:
+            raise StalledError(
+                f"step {step}: {self.in_a_row} steps in a row ({step - self.in_a_row + 1}-{step}) took no optimizer step: "
+                f"every update was non-finite. The likely cause is {self.hint}. Nothing was saved or exported from "
+                "this state; resume from the newest checkpoint with a lower learning rate")
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:

@@ -1,6 +1,6 @@
 """The rank-local rollout store and the dispatch that turns a (mini, micro) index into tensors.
 
-spec/batching.md "The core idea": the driver loop passes indices only (B3). `pack` turns this
+The driver loop passes indices only (B3). `pack` turns this
 rank's samples into right-padded tensors once per collected batch. `plan_chunks` decides which
 rows each (mini, micro) index means: fixed-size micro-batches, or, with a token budget (X1),
 micro-batches packed under the budget and balanced by token cost. `RolloutStore.chunk(mini,
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from minirl import dist
+from minirl import dist, packing
 from minirl.rollout import Samples
 
 Plan = list[list[list[int]]]  # plan[mini][micro] = row indices on this rank
@@ -54,14 +54,16 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0) -> Plan:
+def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0, packed: bool = False) -> Plan:
     """Rows of each mini-batch (contiguous, equal) split into micro-batches.
 
     max_tokens == 0: consecutive slices of `micro_rows` rows (n_micro fixed by config).
-    max_tokens > 0: the fewest micro-batches whose padded token cost (rows x longest row) fits
-    the budget, balanced by cost, and the SAME count on every data-parallel rank (a collective),
-    since FSDP needs every rank to run the same number of forward/backward calls. A row longer
-    than the budget gets a micro-batch of its own.
+    max_tokens > 0: the fewest micro-batches whose computed tokens fit the budget, balanced by
+    cost, and the SAME count on every data-parallel rank (a collective), since FSDP needs every
+    rank to run the same number of forward/backward calls. Computed tokens are rows x longest row
+    padded, or the packed lanes' tokens when `packed` (the trainer runs padding-free,
+    packing.computed_tokens), so a packed budget holds more short rows. A row longer than the
+    budget gets a micro-batch of its own.
     """
     per_mini = len(lengths) // n_mini
     plan = []
@@ -70,10 +72,11 @@ def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: in
         if not max_tokens:
             plan.append([rows[i:i + micro_rows] for i in range(0, per_mini, micro_rows)])
             continue
-        n = _agree_max(_first_fit_count(rows, lengths, max_tokens))
+        cost = _packed_cost if packed else _cost
+        n = _agree_max(_first_fit_count(rows, lengths, max_tokens, cost))
         while True:
-            bins = _balanced(rows, lengths, n)
-            ok = all(_cost(b, lengths) <= max_tokens or len(b) == 1 for b in bins)
+            bins = _balanced(rows, lengths, n, cost)
+            ok = all(cost(b, lengths) <= max_tokens or len(b) == 1 for b in bins)
             if _agree_max(0 if ok else 1) == 0:
                 break
             n += 1
@@ -85,11 +88,15 @@ def _cost(rows: list[int], lengths: list[int]) -> int:
     return len(rows) * max((lengths[r] for r in rows), default=0)  # padded tokens of the chunk
 
 
-def _first_fit_count(rows, lengths, budget) -> int:
+def _packed_cost(rows: list[int], lengths: list[int]) -> int:
+    return packing.computed_tokens([lengths[r] for r in rows])
+
+
+def _first_fit_count(rows, lengths, budget, cost=_cost) -> int:
     bins: list[list[int]] = []
     for r in sorted(rows, key=lambda r: -lengths[r]):
         for b in bins:
-            if _cost(b + [r], lengths) <= budget:
+            if cost(b + [r], lengths) <= budget:
                 b.append(r)
                 break
         else:
@@ -97,12 +104,12 @@ def _first_fit_count(rows, lengths, budget) -> int:
     return len(bins)
 
 
-def _balanced(rows, lengths, n) -> list[list[int]]:
+def _balanced(rows, lengths, n, cost=_cost) -> list[list[int]]:
     """Longest-first into the bin with the least cost so far; each bin's rows kept in batch order."""
     n = min(n, len(rows))
     bins: list[list[int]] = [[] for _ in range(n)]
     for r in sorted(rows, key=lambda r: (-lengths[r], r)):
-        min(bins, key=lambda b: (_cost(b + [r], lengths), len(b))).append(r)
+        min(bins, key=lambda b: (cost(b + [r], lengths), len(b))).append(r)
     return [sorted(b) for b in bins]
 
 

@@ -9,14 +9,24 @@ Contract:
 - `find(resume, dir)`: "" = fresh; "auto" = the newest complete checkpoint (fresh if none); else
   a folder, which must be complete. `load` raises CheckpointError naming the folder when it is
   partial or unreadable, before the run touches anything.
-- Nothing is unpickled: DCP for tensors, JSON for the loop state, safetensors for RNG states.
+- Nothing is unpickled blindly. torch's DCP reads a checkpoint's `.metadata` with plain
+  `pickle.load` and its non-tensor items with `torch.load(weights_only=False)`, so a crafted
+  checkpoint could run code on resume. `load` reads `.metadata` with an unpickler that admits only
+  the classes DCP's metadata is made of (`_SafeUnpickler`), and checks every non-tensor item with
+  `torch.load(weights_only=True)` before DCP reads it (`_SafePlanner`); anything else is refused
+  with an error that names the file. Tensors go through `torch.load(weights_only=True)` (DCP),
+  the loop state is JSON, the RNG states safetensors.
+- Before anything is read, `load` compares every parameter's shape with the checkpoint's and
+  names the first that differs (a checkpoint of another model shape).
 All ranks call `save` and `load` (they are collectives).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 
@@ -24,8 +34,11 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from minirl import dist
 
@@ -62,8 +75,23 @@ def steps_done(path: str) -> int:
         raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e})") from e
 
 
+def require_finite(models: dict) -> None:
+    """Refuse (on every rank together) to write a model with a non-finite parameter anywhere."""
+    bad = ""
+    for part, model in models.items():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local).all()):
+                bad = bad or f"the {part}'s {name}"
+    flag = dist.all_reduce(torch.tensor([float(bool(bad))]), "max")
+    if flag.item():
+        raise CheckpointError(f"refusing to write a model whose parameters are not finite ({bad or 'on another rank'})")
+
+
 def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: int) -> str:
-    """parts: {name: (model, optimizer)}, e.g. {"policy": ...} for GRPO, policy and value for PPO."""
+    """parts: {name: (model, optimizer)}, e.g. {"policy": ...} for GRPO, policy and value for PPO.
+    A model with a non-finite parameter is never written (`require_finite`)."""
+    require_finite({name: model for name, (model, _) in parts.items()})
     rank = torch.distributed.get_rank()
     final = os.path.join(ckpt_dir, f"step_{steps_done:08d}")
     tmp = final + ".tmp"
@@ -72,6 +100,10 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
         os.makedirs(tmp)
     dist.barrier()
     dcp.save(_state(parts), checkpoint_id=tmp)
+    if rank == 0 and dist.fault_due("kill_mid_file", steps_done):  # tests: a data file cut short, then death
+        data = sorted(f for f in os.listdir(tmp) if f.endswith(".distcp"))[0]
+        os.truncate(os.path.join(tmp, data), os.path.getsize(os.path.join(tmp, data)) // 2)
+        dist.fault("kill_mid_file", steps_done)
     save_file({"torch": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{rank}.safetensors"))
     if rank == 0:
         state = {**loop_state, "steps_done": steps_done, "world_size": torch.distributed.get_world_size(),
@@ -80,15 +112,17 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
             json.dump(state, f)
     dist.barrier()
     if rank == 0:
-        _fault("kill_in_save", steps_done)  # tests: die after the data, before the marker
+        dist.fault("kill_in_save", steps_done)  # tests: die after the data, before the marker
         _fsync_tree(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
             f.write(f"{steps_done}\n")
             f.flush()
             os.fsync(f.fileno())
+        dist.fault("kill_before_rename", steps_done)  # tests: complete, but still under its .tmp name
         shutil.rmtree(final, ignore_errors=True)  # re-saving a step after resuming from an older checkpoint
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
+        dist.fault("kill_before_prune", steps_done)  # tests: complete and in place, the old ones not yet pruned
         complete = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp"))
         for old in complete[:-keep] if keep > 0 else []:
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
@@ -107,14 +141,22 @@ def load(path: str, parts: dict) -> dict:
         if state["world_size"] != torch.distributed.get_world_size():
             raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} rank(s); "
                                   f"this run has {torch.distributed.get_world_size()}")
+        reader = _SafeReader(path)
+        _check_shapes(path, reader.read_metadata(), parts)
         sd = _state(parts)
-        dcp.load(sd, checkpoint_id=path)
+        dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
         for name, (model, optimizer) in parts.items():
             set_state_dict(model, optimizer, model_state_dict=sd[name], optim_state_dict=sd[name + ".optim"])
         torch.set_rng_state(load_file(os.path.join(path, f"rng_rank{rank}.safetensors"))["torch"])
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+    except CheckpointException as e:  # a BaseException; it wraps each rank's error
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise CheckpointError(str(ours[0])) from e
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint {path} is unreadable ({first}); resume from an earlier one") from e
+    except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]  # DCP's message embeds whole tracebacks
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {first}); "
                               "resume from an earlier one") from e
@@ -122,6 +164,98 @@ def load(path: str, parts: dict) -> dict:
     np.random.set_state(tuple(state["numpy_rng"][:1]) + (np.array(state["numpy_rng"][1], dtype=np.uint32),)
                         + tuple(state["numpy_rng"][2:]))
     return state
+
+
+# ---- reading a checkpoint without running what it holds ----
+
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """DCP's `.metadata`: its own dataclasses, sizes, dtypes and layouts, and nothing else."""
+
+    def __init__(self, f, path: str):
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.path}: refers to {module}.{name}, which a checkpoint's metadata never does; "
+                              "refusing to load it (a crafted checkpoint can run code when unpickled)")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(str(self.path), ".metadata")
+        with open(path, "rb") as f:
+            try:
+                metadata = _SafeUnpickler(f, path).load()
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """Non-tensor items (optimizer hyperparameters) must load with `weights_only=True` before DCP's
+    own `torch.load(weights_only=False)` reads the same bytes."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn}: not plain data ({e}); "
+                                  "refusing to load it") from e
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _check_shapes(path: str, metadata, parts: dict) -> None:
+    """Every parameter is in the checkpoint with the shape this model has, or say which is not."""
+    saved = metadata.state_dict_metadata
+    for part, (model, _) in parts.items():
+        for name, p in model.named_parameters():
+            key = f"{part}.{name}"
+            if key not in saved:
+                raise CheckpointError(f"checkpoint {path} has no parameter {name!r} for the {part}: it was written "
+                                      "for another model; check --model.path")
+            shape = tuple(getattr(saved[key], "size", ()))
+            if shape != tuple(p.shape):
+                raise CheckpointError(f"checkpoint {path}: the {part}'s {name!r} has shape {shape} there and "
+                                      f"{tuple(p.shape)} in this model; it was written for another model shape "
+                                      "(check --model.path and --model.tiny.*)")
+
+
+def load_model(path: str, part: str, model: torch.nn.Module) -> None:
+    """One part's weights only (no optimizer, no RNG), into a model of any sharding: what
+    `minirl.export` and `minirl.eval` need from a training checkpoint."""
+    if not _complete(path):
+        raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it is partial and will not be loaded")
+    reader = _SafeReader(path)
+    _check_shapes(path, reader.read_metadata(), {part: (model, None)})
+    sd = {part: get_model_state_dict(model)}
+    dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
+    set_model_state_dict(model, sd[part])
+
+
+def use_flag_lr(optimizer, lr: float, flag: str, say) -> None:
+    """A resumed optimizer trains at the learning rate the flags give now, not the one it was saved
+    with (config.json records the flag; the two must agree). Says so when they differed."""
+    saved = sorted({g["lr"] for g in optimizer.param_groups})
+    if saved != [lr]:
+        say(f"{flag}={lr}: the checkpoint's optimizer was at lr {', '.join(map(str, saved))}; training at {lr}")
+        for g in optimizer.param_groups:
+            g["lr"] = lr
 
 
 def _state(parts: dict) -> dict:
@@ -143,16 +277,20 @@ def _tuple(x):
     return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
 
 
-def _fault(name: str, step: int) -> None:
-    if os.environ.get("MINIRL_FAULT") == f"{name}:{step}":
-        os.kill(os.getpid(), 9)
+SHARD_BYTES = 5 * 2**30  # like save_pretrained's default max_shard_size
+TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs, vocabularies, chat templates
 
 
-def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool) -> None:
-    """Gather the full parameters (a collective: every rank calls) and, on rank 0, write
-    `out_dir/` = the source folder's config and tokenizer files + `model.safetensors`."""
+def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
+              dtype: torch.dtype | None = None, card: dict | None = None) -> None:
+    """Gather the full parameters (a collective: every rank calls) and, on rank 0, write `out_dir/`:
+    the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
+    run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
+    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card`, a README.md
+    model card. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
+    require_finite({"policy": model})
     state = {}
-    for name, t in dist.full_parameters(model):
+    for name, t in dist.full_parameters(model, dtype):
         if is_main:
             state[name] = t.to("cpu", copy=True).contiguous()
     if not is_main:
@@ -161,12 +299,55 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     for f in os.listdir(source_path):
-        if f.endswith((".json", ".txt", ".model", ".jinja")) and not f.endswith(".index.json"):
-            shutil.copy(os.path.join(source_path, f), tmp)
-    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
+            shutil.copyfile(os.path.join(source_path, f), os.path.join(tmp, f))  # contents, not the cache's modes
+    _save_weights(state, tmp)
+    if card:
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(_model_card(card))
+    for f in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, f), 0o644)
+    os.chmod(tmp, 0o755)
     _fsync_tree(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.rename(tmp, out_dir)
+
+
+def _save_weights(state: dict, folder: str) -> None:
+    shards, size = [[]], 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    if len(shards) == 1:
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def model_card(algorithm: str, args, steps: int, eval_accuracy: float | None) -> dict:
+    """What a run's final/README.md says about it."""
+    task = args.task.name if args.task.name == "count" else f"{args.task.name} ({args.task.path})"
+    return {"name": f"{os.path.basename(os.path.abspath(args.log.run_dir))} ({algorithm})",
+            "base model": args.model.path, "algorithm": algorithm, "task": task, "steps": steps,
+            "held-out accuracy (greedy, last evaluation)": "not evaluated" if eval_accuracy is None
+            else f"{eval_accuracy:.4f}", "dtype": args.model.dtype}
+
+
+def _model_card(card: dict) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in card.items())
+    return (f"# {card.get('name', 'minirl policy')}\n\nTrained with minirl (RL post-training in plain PyTorch).\n\n"
+            f"| | |\n| --- | --- |\n{rows}\n")
 
 
 def _fsync_tree(path: str) -> None:

@@ -2,16 +2,19 @@
 
 Each field's docstring is its `--help` text (tyro reads them). Derived sizes (`n_mini`,
 `n_micro`, per-rank shares) are properties computed here and never settable
-(spec/batching.md "The config surface"). `validate()` runs before any model, engine or
+(rules B1-B2 in docs/invariants.md). `validate()` runs before any model, engine or
 process group is built, so a bad flag fails in a second with a message that names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+import tyro
 
 TINY = "tiny"  # the --model.path value that selects the built-in tiny model
 
@@ -46,6 +49,9 @@ class ModelConfig:
     """A local Hugging Face folder, a hub name (org/name), or `tiny` for the built-in model."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype in the trainer and the engine (float32 keeps CPU runs exact)."""
+    packing: bool = True
+    """Padding-free training: each micro-batch's rows packed end to end (positions restarting per row),
+    so no compute goes to pads. Checked at load to give the padded numbers; off for a model that fails it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -92,22 +98,36 @@ class RLConfig:
     micro_batch_per_replica: int = 0
     """Trajectories per forward/backward; 0 = the whole mini-batch (no accumulation)."""
     max_tokens_per_micro_batch: int = 0
-    """Token-budgeted micro-batching: pack each mini-batch into micro-batches of at most this many
-    padded tokens, balanced by cost (0 = off; replaces --rl.micro-batch-per-replica)."""
+    """Token-budgeted micro-batching: split each mini-batch into micro-batches of at most this many
+    computed tokens (packed lanes with --model.packing, else rows x longest row), balanced by cost
+    (0 = off; replaces --rl.micro-batch-per-replica)."""
     mu_iterations: int = 1
     """Inner PPO epochs over one collected batch, all scored against the frozen pi_old."""
-    grad_accum: int = 1
-    """Retired for GRPO: the accumulation count is derived; set --rl.micro-batch-per-replica instead."""
+    grad_accum: tyro.conf.Suppress[int] = 1
+    """Retired for GRPO (B11): the accumulation count is derived; not a flag (launch.parse refuses it by
+    name, pointing at --rl.micro-batch-per-replica), and a config file that sets it is refused too."""
     lr: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, after --rl.lr-warmup-steps)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to --rl.lr."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to --rl.min-lr-ratio x lr at the run's last optimizer step."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's final learning rate, as a fraction of --rl.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this after normalization (0 = no clip)."""
     clip_eps: float = 0.2
-    """PPO ratio clip epsilon."""
+    """PPO ratio clip epsilon (the ratio's lower bound is 1 - this)."""
+    clip_eps_high: float = 0.0
+    """Upper clip epsilon, DAPO's "clip-higher" (e.g. 0.28); 0 = the same as --rl.clip-eps."""
+    dual_clip: float = 0.0
+    """Dual clip c > 1 (verl's clip_ratio_c, e.g. 3): a negative-advantage token's loss is at most -c x A; 0 = off."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference penalty (0 = no reference model)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps whose updates were all skipped as non-finite."""
     scale_by_std: bool = True
     """Divide group advantages by the group's reward std."""
     use_rollout_logprobs_for_loss: bool = False
@@ -133,13 +153,19 @@ class LogConfig:
     every: int = 1
     """Print a console line every this many steps."""
     eval_every: int = 5
-    """Score held-out prompts greedily every this many steps, and at the first and last (0 = never)."""
+    """Score held-out prompts greedily before the first update, after every this many steps and after
+    the last (0 = never)."""
     target_eval_accuracy: float = 0.0
     """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars to <run dir>/tensorboard (pip install -e '.[tensorboard]')."""
     wandb_project: str = ""
     """Also log the metrics to this Weights & Biases project (pip install -e '.[wandb]'); empty = off."""
+    overwrite: bool = False
+    """Start a fresh run in a run directory that already holds one (its metrics.jsonl is replaced)."""
+    engine_logs: bool = False
+    """Show the engine's own log lines (vLLM and its native libraries) in the console; by default they
+    go to <run dir>/engine.log (engine_rank<R>.log per rank when there are several)."""
 
 
 @dataclass
@@ -158,6 +184,9 @@ class CheckpointConfig:
 class Launch:
     """What both entrypoints share about the launch itself: the dry run and the run's folders."""
 
+    config: str = ""
+    """A YAML or JSON file of flags (nested as in config.json) read first; flags given beside it win.
+    A run's own config.json reruns that run."""
     dry_run: bool = False
     """Validate the flags, print every rank's role, devices, share and memory estimate, and exit 0:
     nothing is loaded, built or launched. Shows whether a recipe fits before paying for a node."""
@@ -180,6 +209,12 @@ class Launch:
 class GRPOArgs(Launch):
     """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
 
+    REFUSED = {  # flags GRPO does not have, and what to use instead (launch.parse)
+        "--rl.grad-accum": "--rl.grad-accum is retired for GRPO: the accumulation count is derived. Set "
+                           "--rl.micro-batch-per-replica to accumulate gradients over smaller chunks",
+        "--grid.": "GRPO runs colocated, every rank generating and training: it has no --grid.* flags "
+                   "(disaggregated placement is for PPO streaming, minirl.ppo)"}
+
     steps: int = 20
     """Collected batches (loop steps) to run."""
     seed: int = 0
@@ -188,11 +223,11 @@ class GRPOArgs(Launch):
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rl: RLConfig = field(default_factory=RLConfig)
-    grid: GridConfig = field(default_factory=GridConfig)
+    grid: tyro.conf.Suppress[GridConfig] = field(default_factory=GridConfig)  # GRPO is colocated: not a flag
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    # ---- derived (spec/batching.md: computed, never configured) ----
+    # ---- derived: computed, never configured (B2) ----
     @property
     def mini_batch(self) -> int:
         return self.rl.mini_batch_per_replica or self.rl.batch_per_replica
@@ -213,7 +248,7 @@ class GRPOArgs(Launch):
     @property
     def needs_cached_old_logprobs(self) -> bool:
         """Several optimizer steps per collected batch move the policy under later chunks, so pi_old
-        must be scored once up front (spec "pi_old must be frozen across the window"), unless the
+        must be scored once up front (B17), unless the
         loss takes the engine's logprobs. GRPO's clipped objective always consumes pi_old."""
         return (self.n_mini > 1 or self.rl.mu_iterations > 1) and not self.rl.use_rollout_logprobs_for_loss
 
@@ -263,15 +298,24 @@ class GRPOArgs(Launch):
             raise ConfigError(
                 f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
                 "change --rl.micro-batch-per-replica")
-        _positive("--rl.lr", rl.lr)
+        _check_optimization("rl", rl)
+        _at_least("--rl.weight-decay", rl.weight_decay, 0)
         _check_run(self)
         return self
 
 
 def _check_run(args) -> None:
-    """The checks GRPO and PPO share: sampling, task file, checkpoint flags, the dry run's world."""
+    """The checks GRPO and PPO share: sampling, task file, checkpoint and log flags, the run directory
+    (a file, not writable, or holding a run that is neither resumed nor overwritten), the dry run's world."""
     if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
         raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
+    _at_least("--log.every", args.log.every, 1)
+    for flag, on, module, extra in (("--log.tensorboard", args.log.tensorboard, "tensorboard", "tensorboard"),
+                                    ("--log.wandb-project", args.log.wandb_project, "wandb", "wandb")):
+        if on and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag} needs {module}: pip install -e '.[{extra}]'")
+    _at_least("--log.eval-every", args.log.eval_every, 0)
+    _check_run_dir(args)
     if not 0.0 < args.rollout.temperature:
         raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
     if not 0 <= args.rollout.min_tokens <= args.rollout.max_tokens:
@@ -295,7 +339,43 @@ def _positive(flag: str, value: float) -> None:
         raise ConfigError(f"{flag}={value} must be > 0")
 
 
-# ---- PPO with a critic, streamed (spec/ppo-streaming.md) ----
+def _at_least(flag: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise ConfigError(f"{flag}={value} must be >= {low}")
+
+
+def _check_optimization(group: str, c) -> None:
+    """What --rl.* and --ppo.* share: learning rate and schedule, clips, KL, gradient clip, the stall limit."""
+    _positive(f"--{group}.lr", c.lr)
+    _positive(f"--{group}.clip-eps", c.clip_eps)
+    _at_least(f"--{group}.kl-coef", c.kl_coef, 0)
+    _at_least(f"--{group}.max-grad-norm", c.max_grad_norm, 0)
+    _at_least(f"--{group}.max-skipped-steps", c.max_skipped_steps, 1)
+    _at_least(f"--{group}.clip-eps-high", c.clip_eps_high, 0)
+    if c.dual_clip and not c.dual_clip > 1:
+        raise ConfigError(f"--{group}.dual-clip={c.dual_clip} must be > 1 (e.g. 3), or 0 for off")
+    _at_least(f"--{group}.lr-warmup-steps", c.lr_warmup_steps, 0)
+    if not 0 <= c.min_lr_ratio <= 1:
+        raise ConfigError(f"--{group}.min-lr-ratio={c.min_lr_ratio} must be in [0, 1]")
+
+
+def _check_run_dir(args) -> None:
+    d = args.log.run_dir
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise ConfigError(f"--log.run-dir={d!r} is a file; give a directory")
+    parent = d
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log.run-dir={d!r}: {parent!r} is not writable; give a directory you can write")
+    metrics = os.path.join(d, "metrics.jsonl")
+    if (not args.dry_run and not args.checkpoint.resume and not args.log.overwrite and os.path.isfile(metrics)
+            and os.path.getsize(metrics) > 0):
+        raise ConfigError(f"--log.run-dir={d!r} already holds a run ({metrics}); continue it with "
+                          "--checkpoint.resume auto, start over with --log.overwrite, or pick another --log.run-dir")
+
+
+# ---- PPO with a critic, streamed (docs/guide-streaming.md; rules S1-S23) ----
 
 @dataclass
 class AdvEstimatorConfig:
@@ -320,13 +400,27 @@ class PPOConfig:
     critic_warmup_steps: int = 0
     """First steps that train only the critic (no policy update, no refit)."""
     lr: float = 1e-4
-    """Policy AdamW learning rate."""
+    """Policy AdamW learning rate (the peak, after --ppo.lr-warmup-steps)."""
     value_lr: float = 1e-4
-    """Critic AdamW learning rate."""
+    """Critic AdamW learning rate (the peak; the same schedule as the policy's)."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup from 0 to the learning rates."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to --ppo.min-lr-ratio x lr at the last step."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's final learning rate, as a fraction of the peak."""
     clip_eps: float = 0.2
-    """PPO ratio clip and value clip."""
+    """PPO ratio clip (lower: 1 - this) and value clip."""
+    clip_eps_high: float = 0.0
+    """Upper ratio clip epsilon, DAPO's "clip-higher"; 0 = the same as --ppo.clip-eps."""
+    dual_clip: float = 0.0
+    """Dual clip c > 1 (verl's clip_ratio_c): a negative-advantage token's loss is at most -c x A; 0 = off."""
+    kl_coef: float = 0.0
+    """Weight of a k3 KL penalty to the starting policy (a frozen reference model); 0 = none."""
     max_grad_norm: float = 1.0
     """Clip each model's gradient norm after normalization (0 = no clip)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps whose policy update was skipped as non-finite."""
     policy_micro_batch_rows: int = 0
     """Rows per policy forward/backward on each train rank, within a chunk (0 = the whole chunk); the
     step stays exact at any size (deferred normalization). Lower it if the policy runs out of memory."""
@@ -343,7 +437,7 @@ class PPOConfig:
 
 @dataclass
 class SamplerConfig:
-    name: str = "in_order"
+    name: Literal["in_order", "ready_first"] = "in_order"
     """in_order: take ready groups in issue order; ready_first: take any ready group."""
     max_lookahead_versions: int = 1
     """A group sampled by policy version v is used at step s only if s - v <= this."""
@@ -417,7 +511,12 @@ class PPOArgs(Launch):
                            ("--ppo.critic-micro-batch-rows", p.critic_micro_batch_rows)):
             if rows < 0:
                 raise ConfigError(f"{flag}={rows} must be >= 0 (0 = all rows at once)")
-        _positive("--ppo.lr", p.lr)
+        _check_optimization("ppo", p)
         _positive("--ppo.value-lr", p.value_lr)
+        _at_least("--ppo.critic-warmup-steps", p.critic_warmup_steps, 0)
+        for flag, v in (("--ppo.adv-estimator.gamma", p.adv_estimator.gamma), ("--ppo.adv-estimator.lam",
+                                                                               p.adv_estimator.lam)):
+            if not 0 <= v <= 1:
+                raise ConfigError(f"{flag}={v} must be in [0, 1]")
         _check_run(self)
         return self

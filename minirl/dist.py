@@ -148,7 +148,7 @@ def seed_everything(seed: int) -> None:
 
 
 def set_deterministic() -> None:
-    """`rl.deterministic`: deterministic kernels everywhere (spec "A determinism mode").
+    """`rl.deterministic`: deterministic kernels everywhere (B15).
 
     The trap: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates its handle, so it must be in
     the LAUNCH environment (`CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun ...`). Setting it here is
@@ -246,6 +246,11 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
                             device_id=device if device.type == "cuda" else None)
     os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
     return roles, World(t_rank, t_world, local_rank, device), store
+
+
+def store_client(store: dist.TCPStore) -> dist.TCPStore:
+    """Another connection to the same TCPStore (for a thread of its own)."""
+    return dist.TCPStore(store.host, store.port, is_master=False, use_libuv=True)
 
 
 # ---- the refit group: trainer rank 0 and the rollout ranks ----
@@ -347,6 +352,21 @@ def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def fault_due(name: str, step: int, onward: bool = False) -> bool:
+    """Tests inject faults by environment: MINIRL_FAULT=<name>:<step> (`onward`: that step and after)."""
+    got = os.environ.get("MINIRL_FAULT", "")
+    if not got.startswith(name + ":"):
+        return False
+    at = int(got.rsplit(":", 1)[1])
+    return step >= at if onward else step == at
+
+
+def fault(name: str, step: int) -> None:
+    """Die at once (kill -9) when MINIRL_FAULT names this point and step: nothing is cleaned up."""
+    if fault_due(name, step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def quietly(fn) -> None:

@@ -68,11 +68,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     """GRPO: each sample's reward minus its prompt group's mean, optionally over the group's std.
 
     rewards: (B,) with groups contiguous (rows i*G .. i*G+G-1). A group whose rewards are all
-    equal has std 0; its advantages are 0 (not NaN, not inflated by 1/eps). Returns (B,).
+    equal has std 0; its advantages are 0 (not NaN, not inflated by 1/eps). A non-finite reward
+    stays non-finite (its group's advantages are NaN), so the loss is non-finite and the update is
+    skipped and counted (accumulator.py), instead of the broken reward passing as "no signal".
+    Returns (B,).
     """
     r = rewards.view(-1, group_size)                       # (P, G)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
         std = r.std(dim=1, keepdim=True, unbiased=True) if group_size > 1 else torch.zeros_like(r[:, :1])
-        adv = torch.where(std > eps, adv / std.clamp_min(eps), torch.zeros_like(adv))
+        adv = torch.where(std > eps, adv / std.clamp_min(eps), adv * 0.0)  # NaN * 0 stays NaN
     return adv.reshape(-1)

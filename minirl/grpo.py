@@ -1,4 +1,4 @@
-"""GRPO with batch, mini-batch and micro-batch (spec/batching.md), colocated on every rank.
+"""GRPO with batch, mini-batch and micro-batch (docs/guide-batching.md), colocated on every rank.
 
     python -m minirl.grpo --steps 20                            # one process, CPU, built-in task
     torchrun --nproc-per-node 2 -m minirl.grpo --steps 20       # two ranks: FSDP2 over gloo/NCCL
@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import torch
-import tyro
 
-from minirl import checkpoint, dist, models, plan
-from minirl.accumulator import Accumulator, across_ranks, roll_up
+from minirl import checkpoint, dist, launch, models, plan
+from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
-from minirl.checkpoint import export_hf
-from minirl.config import ConfigError, GRPOArgs
+from minirl.checkpoint import export_hf, model_card
+from minirl.config import GRPOArgs
 from minirl.gae import group_advantages
-from minirl.logger import RunLog
+from minirl.logger import RunLog, engine_log, memory_peak_gib, sample_metrics
 from minirl.models import token_logprobs as score
 from minirl.objective import logprob_gap, policy_loss
 from minirl.offload import HandOff, Profile, TrainerOffload
@@ -40,7 +38,7 @@ from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_ta
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = tyro.cli(GRPOArgs, args=argv, description=__doc__)
+    args = launch.parse(GRPOArgs, argv, __doc__)
     if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
         plan.dry_run(args)
         return {}
@@ -49,12 +47,17 @@ def main(argv: list[str] | None = None) -> dict:
     path = models.resolve_path(args.model)
     max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
+    tok = models.load_tokenizer(path)
+    task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens)  # every prompt checked now
     if args.rl.deterministic:
         dist.set_deterministic()
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
-                 tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict())
+                 tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict(),
+                 total_steps=args.steps)
+    if args.checkpoint.resume == "auto" and not resume:
+        log.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
     log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
              f"n_micro={'by token budget' if args.rl.max_tokens_per_micro_batch else args.n_micro}")
     log.info("config: " + json.dumps(args.to_dict(), separators=(",", ":")))
@@ -66,19 +69,21 @@ def main(argv: list[str] | None = None) -> dict:
     dist.seed_everything(args.seed)
     rl, G, dp = args.rl, args.rl.group_size, world.world_size
     P = rl.batch_per_replica // G
-    task = make_task(args.task, args.seed)
-    tok = models.load_tokenizer(path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = models.DTYPES[args.model.dtype]
     with log.phase("build_trainer", announce="loading the policy (FSDP2)"):
-        policy = models.sharded(path, "policy", world, args.model.dtype)  # float32 masters, compute in dtype
-        ref = models.sharded(path, "reference", world, args.model.dtype) if rl.kl_coef else None
+        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
+        ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if rl.kl_coef else None
+    log.info(models.packing_line(args.model.packing, policy.pack_rows))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=rl.weight_decay)
-    acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm)
+    total_steps = args.steps * args.n_mini * rl.mu_iterations  # optimizer steps of the whole run
+    acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm,
+                      schedule=lr_schedule(rl.lr, rl.lr_warmup_steps, total_steps, rl.lr_schedule, rl.min_lr_ratio))
     probe = Probe(policy)
     with log.phase("build_engine", announce="building the vLLM engine"):
         engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype,
-                        seed=args.seed, sleep_mode=rl.colocated_offload)
+                        seed=args.seed, sleep_mode=rl.colocated_offload,
+                        log_file=engine_log(args.log, world.rank, world.world_size > 1))
     profile = Profile(world.device)
     handoff = HandOff(engine, TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy, dtype),
                       enabled=rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
@@ -87,15 +92,26 @@ def main(argv: list[str] | None = None) -> dict:
         checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
                         loop_state={"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
 
+    def evaluate() -> float:  # greedy accuracy on the held-out prompts (a collective over the ranks)
+        return held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens, world.rank, world.world_size)
+
     stop, terminate = dist.sigterm_flag(), False
+    stall = Stall(rl.max_skipped_steps, f"a learning rate too high for this model (--rl.lr={rl.lr}) or non-finite "
+                                        "rewards")
     try:
         if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
             state = handoff.restore(lambda: checkpoint.load(resume, {"policy": (policy, optimizer)}))
             acc.steps, acc.skipped, probe.done = state["optimizer_steps"], state["skipped"], state["probe_done"]
+            checkpoint.use_flag_lr(optimizer, rl.lr, "--rl.lr", log.info)
             log.info(f"resumed from {resume} at step {start}")
         else:
             handoff.start_fresh()
+            if args.log.eval_every:  # the baseline, before the first update
+                with log.phase("eval", announce="scoring the held-out prompts before training"):
+                    baseline = evaluate()
+                log.write({"step": 0, "eval_accuracy": baseline, "eval_version": 0})
         record: dict = {}
+        step = start - 1  # the last step done, should the loop have none left
         for step in range(start, args.steps):
             t_step, syncs = time.perf_counter(), engine.loads
             profile.begin_step()
@@ -114,26 +130,29 @@ def main(argv: list[str] | None = None) -> dict:
             texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
             rewards = torch.tensor([task.reward(t, problems[pid].answer)
                                     for t, pid in zip(texts, samples.prompt_ids)])   # (B_r,)
+            if dist.fault_due("nan_rewards", step, onward=True):  # tests: a run that can no longer learn
+                rewards = rewards * float("nan")
             advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
             batch = pack(samples, advantages, pad_id)                              # (B_r, T) tensors
             profile.mark("score")
             chunks = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
-                                 rl.max_tokens_per_micro_batch)
+                                 rl.max_tokens_per_micro_batch, packed=policy.pack_rows)
             ahead = args.needs_cached_old_logprobs
             store = RolloutStore(batch, chunks, reads_per_chunk=rl.mu_iterations + ahead,  # B18: same predicate
                                  device=world.device)
 
             # ---- update: the trainer holds the card while the rollout sleeps (B20) ----
             handoff.to_trainer()
-            optimizer_s = acc.step_s
+            optimizer_s, steps_before = acc.step_s, acc.steps
             with log.phase("train"):
                 calls, steps_out = update(policy, ref, acc, store, args, probe, ahead)
             store.close()
             profile.mark("train", optimizer_s=acc.step_s - optimizer_s)
-            evaluates = args.log.eval_every and (step % args.log.eval_every == 0 or step == args.steps - 1)
-            saves = args.checkpoint.every and (step + 1) % args.checkpoint.every == 0
+            stepped = acc.steps > steps_before  # False: every window of this batch was non-finite
+            evaluates = args.log.eval_every and ((step + 1) % args.log.eval_every == 0 or step == args.steps - 1)
+            saves = args.checkpoint.every and (step + 1) % args.checkpoint.every == 0 and stepped
             if saves and not evaluates:
-                with log.phase("checkpoint"):
+                with log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
                     handoff.save_in_update_window(save)  # B22: before publication, one publish per step
 
             # ---- publish: wake the weights, sync, offload the trainer, wake the KV cache (B20) ----
@@ -142,25 +161,28 @@ def main(argv: list[str] | None = None) -> dict:
 
             # ---- report once per collected batch (B4) ----
             lengths = [len(c) for c in samples.completion_tokens]
-            totals = dist.all_reduce(torch.tensor([rewards.sum().item(), float(len(rewards)), float(sum(lengths))]))
-            record = {"step": step, "reward_mean": (totals[0] / totals[1]).item(),
-                      "completion_len_mean": (totals[2] / totals[1]).item(),
-                      **across_ranks({"completion_len_max": float(max(lengths)), **roll_up(calls)}),
-                      **roll_up(steps_out), "optimizer_steps": acc.steps, "weight_syncs": engine.loads - syncs}
+            rolled = across_ranks(roll_up(calls))
+            entropy, gap = rolled.pop("grpo_entropy", None), rolled.pop("grpo_logprob_gap", None)
+            record = {"step": step,
+                      **sample_metrics(rewards, G, lengths, [f == "length" for f in samples.finish_reasons]),
+                      **rolled, "entropy": entropy, "logprob_gap": gap, **roll_up(steps_out),
+                      "lr": optimizer.param_groups[0]["lr"], "optimizer_steps": acc.steps,
+                      "weight_syncs": engine.loads - syncs, "memory_peak_gib": memory_peak_gib(world.device)}
             if evaluates:
                 with log.phase("eval"):
-                    record["eval_accuracy"] = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens,
-                                                               world.rank, world.world_size)
+                    record["eval_accuracy"] = evaluate()
+                    record["eval_version"] = step + 1  # the policy after this step's update
                 profile.mark("eval")
             terminate = stop()
             if (saves and evaluates) or (terminate and not saves):  # saved in the update window already
-                with log.phase("checkpoint"):
+                with log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
                     handoff.save_after_publication(save)  # B23: validation and emergency saves
             record["time/step"] = time.perf_counter() - t_step
-            record["tokens_per_s"] = totals[2].item() / record["time/step"]
+            record["tokens_per_s"] = record["completion_len_mean"] * rl.batch_per_replica / record["time/step"]
             if profile.enabled:
                 record["grpo_step"] = profile.take()
             log.write(record)
+            stall.step(stepped, step)  # raises after --rl.max-skipped-steps steps without an update
             if terminate:
                 log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
                 break
@@ -171,7 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
         # ---- final policy in Hugging Face format ----
         if not terminate:
             handoff.to_trainer()
-            export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
+            card = model_card("GRPO", args, step + 1, record.get("eval_accuracy"))
+            with log.phase("export", announce=f"exporting the policy to {args.log.run_dir}/final"):
+                export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main, dtype, card)
             dist.barrier()
     except BaseException:
         handoff.cleanup()  # B24: never masks the error being raised
@@ -214,15 +238,17 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
                 ref_logp = None
                 if ref is not None:
                     with torch.no_grad():
-                        ref_logp = score(ref, c["input_ids"])
-                logp = score(policy, c["input_ids"])
+                        ref_logp = score(ref, c["input_ids"], lengths=c["lengths"])
+                logp, entropy = score(policy, c["input_ids"], entropy=True, lengths=c["lengths"])
                 at_sampling = old_logps[k - 1] if old_logps is not None else (
                     logp.detach() if acc.steps == steps_before else None)
                 if rl.use_rollout_logprobs_for_loss:
                     old = c["rollout_logp"]
                 else:
                     old = at_sampling if at_sampling is not None else logp.detach()
-                loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps, ref_logp, rl.kl_coef)
+                loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps, ref_logp, rl.kl_coef,
+                                               clip_eps_high=rl.clip_eps_high, dual_clip=rl.dual_clip, entropy=entropy)
+                m["grpo_computed_tokens"] = models.computed_tokens(policy, c["input_ids"], c["lengths"])
                 if at_sampling is not None:
                     m["grpo_logprob_gap"] = logprob_gap(at_sampling, c["rollout_logp"], c["mask"])
                 calls.append(m)
@@ -244,9 +270,9 @@ def ahead_pass(policy, store: RolloutStore, probe: "Probe") -> list[torch.Tensor
     for mini, micros in enumerate(store.plan):
         for micro in range(len(micros)):
             c = store.chunk(mini, micro)
-            out.append(score(policy, c["input_ids"]))
+            out.append(score(policy, c["input_ids"], lengths=c["lengths"]))
             if not probe.done:
-                probe(c["input_ids"], c["mask"], out[-1])
+                probe(c, out[-1])
     policy.train()
     return out
 
@@ -268,10 +294,11 @@ class Probe:
         self.policy, self.done, self.fraction = policy, False, None
 
     @torch.no_grad()
-    def __call__(self, input_ids, mask, eval_logp) -> None:
+    def __call__(self, c: dict, eval_logp) -> None:
         self.done = True
         self.policy.train()
-        moved = ((score(self.policy, input_ids) - eval_logp).abs() > self.nats).float() * mask
+        mask = c["mask"]
+        moved = ((score(self.policy, c["input_ids"], lengths=c["lengths"]) - eval_logp).abs() > self.nats).float() * mask
         self.policy.eval()
         counts = dist.all_reduce(torch.stack([moved.sum(), mask.sum()]).double())
         self.fraction = (counts[0] / counts[1].clamp_min(1)).item()
@@ -283,11 +310,10 @@ class Probe:
                 "with --rl.mini-batch-per-replica 0 --rl.mu-iterations 1")
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The `minirl-grpo` console script and `python -m minirl.grpo`."""
+    launch.run("minirl.grpo", main, argv)
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag or checkpoint: say which, no traceback
-        print(f"minirl.grpo: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        dist.shutdown()
+    cli()

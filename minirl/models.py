@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from minirl import packing
 from minirl.config import TINY, ConfigError, ModelConfig, TinyModelConfig
+from minirl.packing import Layout
 
 # The tiny tokenizer's alphabet: one token per character, plus the specials.
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -35,22 +37,57 @@ def cache_dir() -> str:
 
 
 def resolve_path(cfg: ModelConfig) -> str:
-    """Return a local folder holding config.json and a tokenizer, or raise ConfigError naming --model.path."""
+    """Return a local folder holding config.json and a tokenizer, or raise ConfigError naming --model.path.
+    The folder is checked before anything is loaded: config.json parses, and every safetensors
+    file holds all the bytes its header promises (a truncated download fails here, not mid-load)."""
     if cfg.path == TINY:
         return build_tiny(cfg.tiny)
     if os.path.isdir(cfg.path):
-        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
-            raise ConfigError(f"--model.path={cfg.path!r} has no config.json: not a Hugging Face model folder")
+        check_folder(cfg.path)
         return cfg.path
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
         raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name "
                           f"like Qwen/Qwen2.5-0.5B-Instruct, or `{TINY}` for the built-in model")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+        folder = snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # offline, unknown repo, gated...
-        raise ConfigError(f"--model.path={cfg.path!r}: could not fetch it from the hub ({type(e).__name__}: {e}); "
-                          "download it elsewhere and pass the local folder") from e
+        raise ConfigError(f"--model.path={cfg.path!r}: there is no local folder of that name, and as a hub name it "
+                          f"could not be fetched ({type(e).__name__}: {str(e).splitlines()[0][:160]}); give an "
+                          "existing local folder or download the model elsewhere") from e
+    check_folder(folder)
+    return folder
+
+
+def check_folder(path: str) -> None:
+    """A Hugging Face model folder minirl can load: a config.json that parses, whole safetensors files."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")
+    try:
+        with open(config) as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--model.path: {config} is not valid JSON ({e})") from e
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            _check_safetensors(os.path.join(path, name))
+
+
+def _check_safetensors(file: str) -> None:
+    """The file's size covers its header and every tensor the header lists (no data is read)."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header cut short")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--model.path: {file} is not a readable safetensors file ({e})") from e
+    if 8 + n + end > size:
+        raise ConfigError(f"--model.path: {file} is truncated ({size} bytes of {8 + n + end}); download it again")
 
 
 # ---- the built-in tiny model ----
@@ -109,9 +146,15 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _quiet_loading() -> None:
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a progress bar per model load, on every rank, is noise
+
+
 def load_policy(path: str) -> nn.Module:
     """The policy in float32: its parameters are the optimizer's master weights. Forward and
     backward compute in `--model.dtype` through FSDP2's mixed precision (dist.shard)."""
+    _quiet_loading()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
@@ -121,6 +164,7 @@ def load_policy(path: str) -> nn.Module:
 def load_reference(path: str, dtype: str = "float32") -> nn.Module:
     """The frozen policy at its starting weights, for the KL penalty. It never steps, so it is
     stored in the compute dtype (no master copy to keep)."""
+    _quiet_loading()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
     model.config.use_cache = False
@@ -146,26 +190,58 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids).last_hidden_state  # (B, T, H)
-        v = self.score(hidden).squeeze(-1).float()                  # (B, T): V after each token
-        return torch.nn.functional.pad(v[:, :-1], (1, 0))           # (B, T): V before each token
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        lay = layout(self, input_ids, lengths)                          # padding-free when it packs
+        ids = lay.pack(input_ids) if lay else input_ids
+        hidden = self.model(input_ids=ids, position_ids=lay.positions if lay else None).last_hidden_state
+        v = self.score(hidden).squeeze(-1).float()                      # V after each token
+        return _before(v, lay)                                          # (B, T): V before each token
 
 
 def load_value(path: str) -> ValueModel:
     """The critic in float32 master weights (see load_policy)."""
+    _quiet_loading()
     from transformers import AutoModel
     backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+    backbone.config.use_cache = False  # no KV cache in training (and with one, packed rows would mix)
     return ValueModel(backbone, backbone.config.hidden_size)
 
 
-def sharded(path: str, kind: str, world, dtype: str) -> nn.Module:
+def sharded(path: str, kind: str, world, dtype: str, pack: bool = False) -> nn.Module:
     """The trainer's models as both entrypoints build them: loaded (policy and value in float32
     master weights, the frozen reference in `dtype`), then FSDP2-sharded to compute in `dtype`
-    (`--model.dtype`) on the world's device (dist.shard)."""
+    (`--model.dtype`) on the world's device (dist.shard).
+
+    `pack` (--model.packing): train padding-free (`model.pack_rows`) if the model keeps packed rows
+    apart, which `packing_error` checks on the loaded float32 weights. The reference shares the
+    policy's architecture: its caller passes the policy's verdict."""
     from minirl import dist
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
-    return dist.shard(load(path), world, DTYPES[dtype])
+    model = load(path)
+    model.pack_rows = pack and (kind == "reference" or packing_error(model) is None)
+    return dist.shard(model, world, DTYPES[dtype])
+
+
+def packing_line(asked: bool, on: bool) -> str:
+    if on:
+        return "padding-free training: on (rows packed per micro-batch; --model.no-packing pads them)"
+    if asked:
+        return ("padding-free training: off: this model mixes rows packed into one sequence (its attention ignores "
+                "restarting position_ids), so its micro-batches are padded")
+    return "padding-free training: off (--model.no-packing)"
+
+
+def packing_error(model: nn.Module) -> float | None:
+    """packing.exact on a float32 policy or critic: None when packed rows come out as alone."""
+    backbone = model.model if isinstance(model, ValueModel) else model
+    if packing.one_lane(backbone):  # flash kernels do not run on the host; transformers packs them by varlen
+        return None
+
+    def forward(ids, pos):
+        out = backbone(input_ids=ids, position_ids=pos)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    return packing.exact(forward, backbone.config.vocab_size)
 
 
 # ---- the chosen tokens' log-probabilities, without the full-vocabulary logits at once ----
@@ -173,11 +249,16 @@ def sharded(path: str, kind: str, world, dtype: str) -> nn.Module:
 LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits (441 tokens at vocab 151,936)
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False,
+                   lengths: torch.Tensor | None = None):
     """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
 
     Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
     Sequences are right-padded, so causal attention never lets a real token see a pad.
+    `entropy=True` also returns the entropy of each next-token distribution (B, T), from the same
+    forward and without a gradient (a metric: how sure the policy is). `lengths` (B,): the rows'
+    real lengths; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
+    padding-free (packing.py) and pad columns come back 0.
 
     Memory: a Hugging Face causal LM ends with `logits = self.lm_head(hidden)`, (B, T, V). At a
     real vocabulary (151,936) those logits plus their float32 log-softmax cost more than the
@@ -188,26 +269,60 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(model.config, "final_logit_softcapping", None):  # logits post-processed
-        return plain_token_logprobs(model, input_ids)
+        return plain_token_logprobs(model, input_ids, entropy, lengths)
+    lay = layout(model, input_ids, lengths)
+    ids = lay.pack(input_ids) if lay else input_ids
     name = next(n for n, m in model.named_children() if m is head)
-    setattr(model, name, _ChosenLogprobs(head, input_ids[:, 1:]))
+    setattr(model, name, _ChosenLogprobs(head, ids[:, 1:]))
     try:
-        lp = model(input_ids=input_ids).logits                          # (B, T): last column unused
+        out = model(input_ids=ids, position_ids=lay.positions if lay else None).logits  # (., ., 2)
     finally:
         setattr(model, name, head)
-    return nn.functional.pad(lp[:, :-1], (1, 0))                        # (B, T)
+    lp, ent = (_before(x, lay) for x in out.unbind(-1))                 # (B, T) each
+    return (lp, ent.detach()) if entropy else lp
 
 
-def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False,
+                         lengths: torch.Tensor | None = None):
     """The same numbers from the full logits and their float32 log-softmax (the reference; and the
     path for models whose logits are post-processed after `lm_head`)."""
-    logits = model(input_ids=input_ids).logits[:, :-1].float()          # (B, T-1, V)
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return nn.functional.pad(lp, (1, 0))                                # (B, T)
+    lay = layout(model, input_ids, lengths)
+    ids = lay.pack(input_ids) if lay else input_ids
+    logits = model(input_ids=ids, position_ids=lay.positions if lay else None).logits.float()
+    logsm = torch.log_softmax(logits[:, :-1], dim=-1)                   # (., T-1, V)
+    lp = _before(nn.functional.pad(logsm.gather(-1, ids[:, 1:, None]).squeeze(-1), (0, 1)), lay)
+    if not entropy:
+        return lp
+    with torch.no_grad():
+        ent = -(logsm.exp() * logsm).sum(-1)                             # (., T-1)
+    return lp, _before(nn.functional.pad(ent, (0, 1)), lay)
+
+
+def layout(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layout | None:
+    """The packed layout of this batch, or None to run it padded: the model does not pack, no
+    lengths were given, or packing would save nothing (every row as long as the longest)."""
+    if lengths is None or not getattr(model, "pack_rows", False):
+        return None
+    lay = Layout.of(lengths.tolist(), input_ids.shape[1], packing.one_lane(model))
+    return lay.to(input_ids.device) if lay.computed < input_ids.numel() else None
+
+
+def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> int:
+    """Tokens a forward of this batch computes: the packed lanes', or rows x columns when padded."""
+    lay = layout(model, input_ids, lengths)
+    return lay.computed if lay else input_ids.numel()
+
+
+def _before(x: torch.Tensor, lay: Layout | None) -> torch.Tensor:
+    """Per-token outputs read at each token (predicting the next) -> at the token they predict:
+    column t holds position t-1's output, column 0 is 0; packed rows are unpacked to (B, T)."""
+    shifted = nn.functional.pad(x[:, :-1], (1, 0))
+    return lay.unpack(shifted) if lay else shifted
 
 
 class _ChosenLogprobs(nn.Module):
-    """Stands in for `lm_head`: hidden (B, T, H) -> log p(targets) (B, T), the last column 0."""
+    """Stands in for `lm_head`: hidden (B, T, H) -> (B, T, 2), the chosen token's log-probability and
+    the distribution's entropy; the last position (no next token) is 0."""
 
     def __init__(self, head: nn.Module, targets: torch.Tensor):
         super().__init__()
@@ -226,10 +341,14 @@ class _ChosenLogprobs(nn.Module):
                 pieces.append(checkpoint(_piece_logprobs, *args, use_reentrant=False))
             else:
                 pieces.append(_piece_logprobs(*args))
-        lp = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
-        return nn.functional.pad(lp.view(B, T - 1), (0, 1))             # (B, T)
+        both = torch.cat(pieces) if pieces else h.new_zeros(0, 2, dtype=torch.float32)
+        return nn.functional.pad(both.view(B, T - 1, 2), (0, 0, 0, 1))  # (B, T, 2)
 
 
 def _piece_logprobs(h, w, b, y):
     logits = nn.functional.linear(h, w, b).float()                      # (n, V)
-    return logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)  # (n,)
+    lse = logits.logsumexp(-1)                                          # (n,)
+    lp = logits.gather(-1, y[:, None]).squeeze(-1) - lse                # (n,)
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)        # (n,): H = lse - E[logit]
+    return torch.stack([lp, ent], -1)                                   # (n, 2)

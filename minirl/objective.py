@@ -1,6 +1,6 @@
 """Policy and value losses. Each returns (loss, divisor, metrics).
 
-spec/batching.md "The hard part": the objective returns its normal per-chunk NORMALIZED loss
+B6 (docs/invariants.md): the objective returns its normal per-chunk NORMALIZED loss
 and, beside it, the divisor it normalized by (`<prefix>_denom`): the count of masked
 completion tokens after shaping (or of non-empty sequences for a sequence-mean loss), taken
 as a data-parallel MEAN (one all-reduce per call). The DP mean composes with FSDP's
@@ -40,18 +40,25 @@ def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: Literal["token"
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: Literal["token", "sequence"] = "token", prefix: str = "grpo"):
+                agg: Literal["token", "sequence"] = "token", prefix: str = "grpo", clip_eps_high: float = 0.0,
+                dual_clip: float = 0.0, entropy: torch.Tensor | None = None):
     """PPO clipped surrogate (+ kl_coef * k3 KL to the reference), normalized per chunk.
 
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0 = clip_eps; DAPO's
+    "clip-higher" sets it larger). `dual_clip` c > 1 (verl's clip_ratio_c) bounds the loss of a
+    token with a negative advantage by -c * A, however far its ratio has grown (0 = off).
     advantages: (B, T) or (B,) (a sequence-level advantage, broadcast over tokens).
+    `entropy` (B, T), the policy's per-token entropy from the same forward, is only reported.
     Returns (loss, divisor, metrics); metrics are local to this rank and chunk.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps_high or clip_eps))
     pg = -torch.minimum(ratio * advantages, clipped * advantages)           # (B, T)
+    if dual_clip:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -dual_clip * advantages), pg)
     per_token = pg
     kl = None
     if ref_logp is not None and kl_coef:
@@ -73,6 +80,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         }
         if kl is not None:
             m[f"{prefix}_kl"] = ((kl * mask).sum() / n_tok.clamp_min(1)).item()
+        if entropy is not None:
+            m[f"{prefix}_entropy"] = ((entropy * mask).sum() / n_tok.clamp_min(1)).item()
     return loss, divisor, m
 
 

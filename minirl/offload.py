@@ -1,6 +1,6 @@
 """The colocated hand-off: who holds the card while the rollout or the trainer runs.
 
-spec/batching.md "Colocated offload". One step on a colocated rank (B20):
+Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
 
     generate -> rollout.sleep -> trainer.onload -> train -> rollout.wake_up(weights)
              -> weight_sync -> trainer.offload -> rollout.wake_up(kv_cache) -> next generate
@@ -76,8 +76,7 @@ class TrainerOffload:
             name = params.get(local(p.grad).untyped_storage().data_ptr())
             if name is not None:
                 raise RuntimeError(f"offload: the gradients share storage with parameter {name!r}, so this trainer "
-                                   "cannot keep gradients resident while its parameters are offloaded (spec "
-                                   "ppo-streaming \"support limits\"); give gradients their own storage, as "
+                                   "cannot keep gradients resident while its parameters are offloaded (S20); give gradients their own storage, as "
                                    "minirl's FSDP2 trainer does (dist.shard)")
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Where PPO's groups come from: the two placements behind `ppo.train` (spec/ppo-streaming.md, S13, S23).
+"""Where PPO's groups come from: the two placements behind `ppo.train` (S13, S23).
 
 The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
 (yields (groups taken, this rank's group tensors)), `refit(version, policy)`, `release(step)`,
@@ -34,7 +34,7 @@ import contextlib
 import json
 import math
 import signal
-import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -44,6 +44,7 @@ from safetensors.torch import save as st_save
 
 from minirl import dist, models, refit
 from minirl.config import PPOArgs
+from minirl.logger import engine_log
 from minirl.offload import HandOff
 from minirl.rollout import Engine, Samples
 from minirl.sampler import Group, ReadyGroups
@@ -76,6 +77,7 @@ class StoreGroups:
         if self.world.is_main:  # the refit group's rendezvous waits for the rollout ranks' engines
             self.buckets = refit.manifest(policy, self.dtype)
             self.store.set("weights/manifest", json.dumps(self.buckets))
+            threading.Thread(target=_heartbeat, args=(dist.store_client(self.store),), daemon=True).start()
             self.group = dist.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
             self.store.set("start", str(step))
         if step:  # resumed: the rollout ranks start from the restored weights
@@ -151,23 +153,23 @@ class StoreGroups:
 
 def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_len: int) -> None:
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
+    term = _Term(store)
     task = make_task(args.task, args.seed)
     tok = models.load_tokenizer(path)
     engine = Engine(path, args.rollout, max_model_len, roles.devices.engine, dtype=args.model.dtype, seed=args.seed,
-                    private=True)
-    group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
-    buckets = json.loads(store.get("weights/manifest"))
-    limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
-
-    def evaluate(version: int) -> None:  # global rank 0 scores every version the run evaluates
-        if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
-            store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
-
-    # SIGTERM reaches every rank at once: the trainer finishes its step (it needs this rank's groups),
-    # saves and sets `stop`; this rank keeps serving until then and hosts the store until the end.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+                    private=True, log_file=engine_log(args.log, roles.global_rank, R > 1))
     try:
-        start = int(store.get("start"))  # waits for the trainer to build (and maybe restore) its models
+        group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
+        buckets = json.loads(store.get("weights/manifest"))
+        limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
+
+        def evaluate(version: int) -> None:  # global rank 0 scores every version the run evaluates
+            if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
+                store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
+
+        if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
+            return
+        start = int(store.get("start"))
         version = max(start - 1, 0)      # a resumed run's weights arrive as version/{start}
         if start == 0:
             evaluate(0)                  # the starting weights
@@ -176,23 +178,62 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         for step in range(start, args.steps):
             for first in range(0, len(mine), k):
                 need = step - args.async_rl.sampler.max_lookahead_versions  # S23
-                version = _catch_up(engine, store, group, buckets, version, need, roles, evaluate)
+                version = _catch_up(engine, store, group, buckets, version, need, roles, evaluate, term)
                 if version is None:
-                    return  # the trainer stopped early: --log.target-eval-accuracy, SIGTERM, or a failure
+                    return  # the trainer stopped: --log.target-eval-accuracy, SIGTERM, a failure
                 for i, g in _generate(engine, task, tok, mine[first:first + k], step, args, version):
                     put(store, f"group/{step}/{i}", st_save(g))
-        version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate)  # the last refit
+        version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:
             return
         if roles.global_rank == 0 and every:
             store.set(f"eval/{args.steps}", str(held_out_accuracy(engine, task, tok, limit)))
-        store.wait(["stop"])  # global rank 0 hosts the store: it must outlive the trainer's last use of it
+        term.wait("stop")  # global rank 0 hosts the store: it must outlive the trainer's last use of it
     finally:
         engine.close()
+        print(f"rollout rank {roles.global_rank}: engine closed", flush=True)
+
+
+HEARTBEAT_S = 1.0
+
+
+def _heartbeat(client) -> None:
+    """Train rank 0 says it is alive every second, on a store client of its own (a daemon thread)."""
+    while True:
+        client.set("trainer/alive", str(time.time()))
+        time.sleep(HEARTBEAT_S)
+
+
+class _Term:
+    """SIGTERM on a rollout rank. A scheduler's SIGTERM reaches every rank at once: the trainer
+    finishes its step (it needs this rank's groups), saves and sets `stop`, so this rank serves on
+    while the trainer lives. When a train rank dies, torchrun SIGTERMs everyone: the trainer sets
+    `stop` as it fails, or (train rank 0 gone) its heartbeat stops, and this rank leaves within
+    seconds, closing its engine, instead of waiting for torchrun's SIGKILL."""
+
+    def __init__(self, store):
+        self.store, self.at = store, None
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "at", self.at or time.time()))
+
+    def trainer_gone(self) -> bool:
+        if self.store.check(["stop"]):
+            return True
+        if self.at is None:
+            return False
+        beat = float(self.store.get("trainer/alive")) if self.store.check(["trainer/alive"]) else self.at
+        return time.time() - beat > 5 * HEARTBEAT_S
+
+    def wait(self, key: str) -> bool:
+        """Wait for `key`; False if the trainer is gone first (`stop` itself counts as there)."""
+        while not self.store.check([key]):
+            if self.trainer_gone():
+                return key == "stop"
+            time.sleep(POLL_S * 10)
+        return True
 
 
 def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, roles: dist.Roles,
-              evaluate) -> int | None:
+              evaluate, term: _Term) -> int | None:
     """Take every version the trainer has announced since `version`, in order: a weighted one is a
     broadcast every rollout rank joins (refit.receive, straight into the engine). Then wait until
     version >= `need`. Returns the version now in the engine, or None once the trainer stopped."""
@@ -201,13 +242,13 @@ def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, ro
             version += 1
             if store.get(f"version/{version}") == b"1":
                 engine.load_weights(refit.receive(group, buckets))
-                print(f"rollout rank {roles.global_rank}: loaded policy version {version}", file=sys.stderr, flush=True)
+                print(f"rollout rank {roles.global_rank}: loaded policy version {version}", flush=True)
             store.set(f"loaded/{roles.global_rank}", str(version))  # the trainer may drop the announcement
             evaluate(version)
+        if term.trainer_gone():
+            return None
         if version >= need:
             return version
-        if store.check(["stop"]):
-            return None
         time.sleep(POLL_S)
 
 
@@ -269,7 +310,8 @@ class EngineGroups:
         self.task = make_task(args.task, args.seed)
         self.tok = models.load_tokenizer(path)
         self.engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype,
-                             seed=args.seed, sleep_mode=args.ppo.colocated_offload)
+                             seed=args.seed, sleep_mode=args.ppo.colocated_offload,
+                             log_file=engine_log(args.log, world.rank, world.world_size > 1))
         self.handoff = None
 
     def start(self, step: int, policy, offload, load=None) -> None:
@@ -349,4 +391,5 @@ def _group(s: Samples, rows: slice, rewards: list[float], version: int) -> dict[
             "lengths": torch.tensor([len(c) for c in comps]),
             "logprobs": torch.tensor(pad(s.logprobs[rows], 0.0)),
             "rewards": torch.tensor(rewards, dtype=torch.float32),
+            "clipped": torch.tensor([f == "length" for f in s.finish_reasons[rows]]),
             "version": torch.tensor(version)}

@@ -171,7 +171,7 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
     if not hf:
         return share, None
     # policy and critic both resident (conservative: the pump offloads whichever is idle)
-    terms = _trainer_terms(hf, dp, c, 2, max(micro, critic) * T, True)
+    terms = _trainer_terms(hf, dp, c, 2, max(micro, critic) * T, True, ref=bool(p.kl_coef))
     return share, terms
 
 

@@ -2,7 +2,8 @@
 
 Reads RUN_DIR/metrics.jsonl (one record per step, as logger.RunLog writes it) and draws one
 panel per quantity that the run logged: reward and held-out accuracy, the policy loss, the
-value loss (PPO), KL and clip fraction, gradient norm, step time. Works on a run that is still
+completion lengths, the shares of clipped completions and of groups without signal, the policy
+loss, the value loss (PPO), KL and clip fraction, entropy, gradient norms, step time. Works on a run that is still
 going or crashed: every complete line is a finished step.
 """
 
@@ -14,10 +15,13 @@ import os
 
 PANELS = [  # (title, metric keys drawn in it)
     ("reward", ["reward_mean", "eval_accuracy"]),
+    ("completion length (tokens)", ["completion_len_mean", "completion_len_max"]),
+    ("shares", ["completion_clip_ratio", "frac_reward_zero_std"]),
     ("policy loss", ["grpo_loss", "ppo_loss"]),
     ("value loss", ["value_loss"]),
-    ("KL / clip fraction", ["grpo_kl", "grpo_clipfrac", "ppo_clipfrac"]),
-    ("gradient norm", ["grad_norm"]),
+    ("KL / clip fraction", ["grpo_kl", "ppo_kl", "grpo_clipfrac", "ppo_clipfrac"]),
+    ("entropy", ["entropy"]),
+    ("gradient norm", ["grad_norm", "value_grad_norm"]),
     ("seconds per step", ["time/step"]),
 ]
 
@@ -37,7 +41,10 @@ def read(run_dir: str) -> list[dict]:
 
 
 def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
-    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
+    """(x, y) of one metric. An evaluation is drawn at the policy version it scored (`eval_version`:
+    the number of updates behind it), which for PPO's asynchronous rollout ranks is not its record's step."""
+    pts = [(r.get("eval_version", r["step"]) if key == "eval_accuracy" else r["step"], r[key])
+           for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

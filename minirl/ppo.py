@@ -1,4 +1,4 @@
-"""PPO with a critic, streamed over completed rollout chunks (spec/ppo-streaming.md).
+"""PPO with a critic, streamed over completed rollout chunks (docs/guide-streaming.md).
 
     torchrun --nproc-per-node 2 -m minirl.ppo --steps 40          # CPU: one rollout rank, one train rank
     python -m minirl.ppo --grid.gpu-placement colocated \
@@ -17,26 +17,25 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import torch
-import tyro
 
-from minirl import checkpoint, dist, models, plan
-from minirl.accumulator import Accumulator, across_ranks
+from minirl import checkpoint, dist, launch, models, plan
+from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule
 from minirl.batch import pack
-from minirl.config import ConfigError, PPOArgs
-from minirl.logger import RunLog
+from minirl.config import PPOArgs
+from minirl.logger import RunLog, memory_peak_gib, sample_metrics
 from minirl.offload import TrainerOffload
 from minirl.placement import EngineGroups, StoreGroups, rollout_rank
 from minirl.rollout import Samples, check_model
 from minirl.sampler import ReadyGroups
 from minirl.stream import PumpConfig, TrainPump
+from minirl.tasks import make_task
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(PPOArgs, args=argv, description=__doc__)
+    args = launch.parse(PPOArgs, argv, __doc__)
     if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
         plan.dry_run(args)
         return
@@ -45,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     path = models.resolve_path(args.model)
     max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
+    make_task(args.task, args.seed, models.load_tokenizer(path), args.rollout.max_prompt_tokens)  # every prompt, now
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)  # a bad checkpoint fails here, early
     if args.grid.gpu_placement == "colocated":
         world = dist.init()
@@ -66,7 +66,8 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     P = p.num_prompts_per_step
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
-                 tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict())
+                 tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict(),
+                 total_steps=args.steps)
     mode = f"streaming, min {a.min_groups_for_streaming_train} groups" if args.streaming else "full batch"
     log.info(f"minirl.ppo: {args.grid.gpu_placement}, {world.world_size} train rank(s) on {world.device}; {mode}; "
              f"model {path}")
@@ -78,14 +79,22 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         log.info("warning: --ppo.adv-estimator.normalize-advantages under streaming whitens advantages within "
                  "each chunk, so chunk boundaries change the policy gradient (critic returns are unaffected)")
     with log.phase("build_trainer", announce="loading the policy and the value model (FSDP2)"):
-        policy = models.sharded(path, "policy", world, args.model.dtype)  # float32 masters, compute in dtype
-        value = models.sharded(path, "value", world, args.model.dtype)
+        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
+        value = models.sharded(path, "value", world, args.model.dtype, args.model.packing)
+        ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if p.kl_coef else None
+    log.info(models.packing_line(args.model.packing, policy.pack_rows))
     policy_opt = torch.optim.AdamW(policy.parameters(), lr=p.lr)
     value_opt = torch.optim.AdamW(value.parameters(), lr=p.value_lr)
     parts = {"policy": (policy, policy_opt), "value": (value, value_opt)}
     offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)  # S7
     tok = models.load_tokenizer(path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    # learning rates by optimizer step: the policy steps ppo_epochs times a step after critic warmup,
+    # the critic critic_ppo_epochs times every step; a resumed run recomputes both from its step
+    policy_lr = lr_schedule(p.lr, p.lr_warmup_steps, (args.steps - p.critic_warmup_steps) * p.ppo_epochs,
+                            p.lr_schedule, p.min_lr_ratio)
+    value_lr = lr_schedule(p.value_lr, p.lr_warmup_steps, args.steps * p.critic_ppo_epochs, p.lr_schedule,
+                           p.min_lr_ratio)
 
     def save() -> None:  # between steps only: the counters advanced, both models are resident (S11)
         for o in offload:
@@ -93,34 +102,51 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         checkpoint.save(args.checkpoint_dir, step + 1, parts, {}, args.checkpoint.keep)
 
     stop, terminate = dist.sigterm_flag(), False
+    stall = Stall(p.max_skipped_steps, f"a learning rate too high for this model (--ppo.lr={p.lr}) or non-finite "
+                                       "rewards")
     try:
+        if not source.colocated:
+            log.info("waiting for the rollout ranks to build their engines ...")
         source.start(start, policy, offload, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
         if resume:
+            checkpoint.use_flag_lr(policy_opt, p.lr, "--ppo.lr", log.info)
+            checkpoint.use_flag_lr(value_opt, p.value_lr, "--ppo.value-lr", log.info)
             log.info(f"resumed from {resume} at step {start}")
+        elif args.checkpoint.resume == "auto":
+            log.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
         first = source.evals(start)
         if first:
             log.write({"step": start, **first})
+        record: dict = {}
+        step = start - 1  # the last step done, should the loop have none left
         for step in range(start, args.steps):
+            dist.fault(f"kill_train_rank{world.rank}", step)  # tests: a train rank dies (kill -9)
             t0, warmup = time.perf_counter(), step < p.critic_warmup_steps
             cfg = PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
+                             clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip, kl_coef=p.kl_coef,
                              value_max_grad_norm=p.max_grad_norm,
                              value_clip_eps=p.clip_eps, normalize_advantages=p.adv_estimator.normalize_advantages,
                              critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=warmup, ppo_epochs=p.ppo_epochs,
                              refit_after_critic=source.colocated, policy_micro_rows=p.policy_micro_batch_rows,
                              critic_micro_rows=p.critic_micro_batch_rows,
                              use_rollout_logprobs=p.use_rollout_logprobs_for_loss)
-            acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm)
+            first_policy_step = (step - p.critic_warmup_steps) * p.ppo_epochs
+            acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm,
+                              schedule=lambda k: policy_lr(first_policy_step + k))
             pump = TrainPump(policy, value, acc, value_opt, cfg, step, refit=lambda: source.refit(step + 1, policy),
-                             log=log.info, policy_off=offload[0], value_off=offload[1],  # value model ready (S12)
-                             device=world.device)
+                             ref=ref, log=log.info, policy_off=offload[0], value_off=offload[1],  # value ready (S12)
+                             device=world.device, value_schedule=lambda k: value_lr(step * p.critic_ppo_epochs + k))
+            if step == start and not source.colocated:
+                log.info(f"step {step}: waiting for the first completed groups from the rollout ranks ...")
             ready = ReadyGroups(P, a.min_groups_for_streaming_train, a.sampler.name,
                                 a.sampler.max_lookahead_versions, align=world.world_size)
-            rewards, lengths, prompt_tokens, t_first_chunk, consumed = [], [], 0, None, 0
+            rewards, lengths, clipped, prompt_tokens, t_first_chunk, consumed = [], [], [], 0, None, 0
             for taken, groups in source.chunks(step, ready):
                 consumed += taken
                 t_first_chunk = t_first_chunk or time.perf_counter()
                 rewards += [g["rewards"] for g in groups]
                 lengths += [g["lengths"] for g in groups]
+                clipped += [g["clipped"] for g in groups]
                 prompt_tokens += sum(g["prompt"].numel() * g["lengths"].numel() for g in groups)
                 pump.chunk({**_rows(groups, pad_id), "groups": taken})
             out = pump.close()
@@ -130,20 +156,26 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             ready.release()
             source.release(step)  # only after both updates (S11)
             r, n = torch.cat(rewards), torch.cat(lengths)
-            totals = dist.all_reduce(torch.tensor([r.sum().item(), float(r.numel()), n.sum().item(), prompt_tokens]))
+            samples = sample_metrics(r, p.num_generations_per_prompt, n.tolist(), torch.cat(clipped).tolist())
+            prompts = dist.all_reduce(torch.tensor([float(prompt_tokens)], dtype=torch.float64)).item()
             dt = time.perf_counter() - t0
-            record = {"step": step, "reward_mean": (totals[0] / totals[1]).item(),
-                      "completion_len_mean": (totals[2] / totals[1]).item(),
-                      "prompt_len_mean": (totals[3] / totals[1]).item(), **across_ranks(out),
+            rolled = across_ranks(out)
+            entropy, gap = rolled.pop("ppo_entropy", None), rolled.pop("ppo_logprob_gap", None)
+            record = {"step": step, **samples, "prompt_len_mean": prompts / (P * p.num_generations_per_prompt),
+                      **rolled, "entropy": entropy, "logprob_gap": gap, "lr": policy_opt.param_groups[0]["lr"],
+                      "value_lr": value_opt.param_groups[0]["lr"], "memory_peak_gib": memory_peak_gib(world.device),
                       "critic_warmup": warmup, "groups_consumed": consumed, "time/step": dt,
-                      "tokens_per_s": totals[2].item() / dt,
+                      "tokens_per_s": samples["completion_len_mean"] * P * p.num_generations_per_prompt / dt,
                       "time/wait_first_chunk": (t_first_chunk or t0) - t0, **source.evals(step + 1)}
             if source.t_all_ready:  # streaming's tail: last group ready -> update done (bench/streaming.py)
                 record["time/tail"] = t_closed - source.t_all_ready
             log.write(record)
+            stepped = warmup or not pump.skipped  # False: the policy update was non-finite
+            stall.step(stepped, step)  # raises after --ppo.max-skipped-steps steps without an update
             terminate = stop()  # SIGTERM: an emergency save at this step boundary, then exit
-            if terminate or (args.checkpoint.every and (step + 1) % args.checkpoint.every == 0):
-                source.save(save)
+            if terminate or (args.checkpoint.every and (step + 1) % args.checkpoint.every == 0 and stepped):
+                with log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
+                    source.save(save)
             if terminate:
                 log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
                 break
@@ -156,11 +188,15 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             final = source.final_eval(args.steps)
             if final:
                 log.write({"step": args.steps, **final})
+                record.update(final)
         source.stop()
         if not terminate:
             offload[1].offload()
             offload[0].onload()
-            checkpoint.export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main)
+            card = checkpoint.model_card("PPO", args, step + 1, record.get("eval_accuracy"))
+            with log.phase("export", announce=f"exporting the policy to {args.log.run_dir}/final"):
+                checkpoint.export_hf(policy, path, os.path.join(args.log.run_dir, "final"), world.is_main,
+                                     models.DTYPES[args.model.dtype], card)
     except BaseException:
         source.cleanup()
         dist.quietly(source.close)  # the error that brought us here is the one raised (B24)
@@ -183,14 +219,14 @@ def _rows(groups: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     b = pack(Samples([0] * len(comps), prompts, comps, lps, ["stop"] * len(comps)), torch.zeros(len(comps)), pad_id)
     seq_rewards = torch.zeros_like(b["mask"])
     seq_rewards[torch.arange(len(comps)), b["lengths"] - 1] = torch.tensor(rewards)
-    return {"input_ids": b["input_ids"], "mask": b["mask"], "rewards": seq_rewards, "rollout_logp": b["rollout_logp"]}
+    return {"input_ids": b["input_ids"], "mask": b["mask"], "rewards": seq_rewards, "rollout_logp": b["rollout_logp"],
+            "lengths": b["lengths"]}
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The `minirl-ppo` console script and `python -m minirl.ppo`."""
+    launch.run("minirl.ppo", main, argv)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag or checkpoint: say which, no traceback
-        print(f"minirl.ppo: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        dist.shutdown()
+    cli()

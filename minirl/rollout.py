@@ -25,10 +25,12 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +73,33 @@ def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag
                               f"{have:.0f} GiB; every engine on the machine reserves it. Try 1")
 
 
+@contextlib.contextmanager
+def _engine_output(log_file: str | None):
+    """The engine's start-up output (vLLM's logger, Python warnings, and what its native libraries
+    print on file descriptors 1 and 2) goes to `log_file`; vLLM's logger stays there afterwards."""
+    if log_file is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+    sink = open(log_file, "a", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(sink.fileno(), 1)
+    os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+        vllm_log = logging.getLogger("vllm")  # configured by vLLM's import, inside the block
+        vllm_log.handlers, vllm_log.propagate = [logging.StreamHandler(sink)], False
+
+
 def request_seed(seed: int, prompt_id: int, sample: int) -> int:
     """A 31-bit seed per (run, prompt, sample): identical seeds across requests give identical samples."""
     h = hashlib.blake2b(f"{seed}:{prompt_id}:{sample}".encode(), digest_size=4).digest()
@@ -98,6 +127,7 @@ class Engine:
     seed: int = 0
     sleep_mode: bool = False       # colocated hand-off; vLLM only supports it on CUDA
     private: bool = False          # build in a world of one (disaggregated rollout ranks)
+    log_file: str | None = None    # the engine's own log lines go here (None: the console)
     state: str = "awake"
     events: deque = field(default_factory=lambda: deque(maxlen=64))  # recent sleep / wake / load, for tests
     loads: int = 0                 # load_weights calls so far
@@ -107,7 +137,6 @@ class Engine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.cfg.kv_cache_gib)))
-        from vllm import LLM
 
         on_cuda = self.device.type == "cuda"
         self._vllm_sleeps = self.sleep_mode and on_cuda
@@ -118,14 +147,16 @@ class Engine:
                       enable_sleep_mode=self._vllm_sleeps, distributed_executor_backend="external_launcher")
         if on_cuda:
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
-        if self.private:  # a disaggregated rollout rank: a world of one on this engine's card
-            with dist.private_world(self.device):
+        if not self.private and on_cuda and int(os.environ.get("LOCAL_RANK", 0)) != self.device.index:
+            raise RuntimeError(f"rollout: engine device {self.device} is not LOCAL_RANK's card "
+                               f"{os.environ.get('LOCAL_RANK')}; vLLM's external launcher would take that one")
+        with _engine_output(self.log_file):
+            from vllm import LLM  # vLLM's import-time messages go to the log file too
+            if self.private:  # a disaggregated rollout rank: a world of one on this engine's card
+                with dist.private_world(self.device):
+                    self.llm = LLM(**kwargs)
+            else:  # share torchrun's world: each rank is its own TP=1 engine, on the card LOCAL_RANK names
                 self.llm = LLM(**kwargs)
-        else:  # share torchrun's world: each rank is its own TP=1 engine, on the card LOCAL_RANK names
-            if on_cuda and int(os.environ.get("LOCAL_RANK", 0)) != self.device.index:
-                raise RuntimeError(f"rollout: engine device {self.device} is not LOCAL_RANK's card "
-                                   f"{os.environ.get('LOCAL_RANK')}; vLLM's external launcher would take that one")
-            self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)
         # Every in-place reload warns that the rotary embedding (a buffer, nothing to load) got no weights.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(

@@ -1,6 +1,6 @@
 """The async_rl sampler: which completed prompt groups the trainer takes next.
 
-spec/ppo-streaming.md "Tail-aware selection" and "Configuration". Rollout ranks generate
+Rules S1, S2, S16-S18, S21, S23 of docs/invariants.md. Rollout ranks generate
 continuously and tag every group with the policy version that sampled it. The controller
 (one train rank) keeps a `ReadyGroups` set and asks `take()` for the next chunk:
 

@@ -1,5 +1,5 @@
-"""train_pump: one PPO step consumed as streamed chunks of completed groups (spec/ppo-streaming.md
-"Update lifecycle"). The disaggregated entrypoint feeds it; this module owns the order of work.
+"""train_pump: one PPO step consumed as streamed chunks of completed groups (the update lifecycle,
+rules S5-S15 in docs/invariants.md). The PPO loop feeds it; this module owns the order of work.
 
 Per chunk (`TrainPump.chunk`, S5): value forward with the UNCHANGED critic (kept as each sample's
 old value for every critic epoch, S6) -> policy (and reference) forward -> GAE -> policy
@@ -10,7 +10,7 @@ chunk and stays resident across empty selections (S12).
 
 `TrainPump.close` (S8-S11, S13-S15): fail before either update if the whole step was masked;
 scale the policy gradient once by the whole step's valid-token count, clip, take ONE policy
-optimizer (and scheduler) step (full batch: `ppo_epochs` steps, each over the whole batch
+optimizer step at the scheduled learning rate (full batch: `ppo_epochs` steps, each over the whole batch
 against the frozen pi_old and advantages); refit the rollout; then train the critic for
 `critic_ppo_epochs` on the assembled batch with the frozen returns. Colocated full batch
 (`refit_after_critic`): the engine sleeps through critic training and the refit comes after it. During critic warmup the
@@ -62,6 +62,8 @@ class PumpConfig:
     gamma: float = 1.0
     lam: float = 0.95
     clip_eps: float = 0.2
+    clip_eps_high: float = 0.0       # the ratio's upper clip (DAPO clip-higher); 0 = clip_eps
+    dual_clip: float = 0.0           # verl's clip_ratio_c for negative advantages; 0 = off
     value_clip_eps: float = 0.2
     kl_coef: float = 0.0
     value_max_grad_norm: float = 0.0  # clip the critic's gradient norm (0 = no clip)
@@ -86,6 +88,7 @@ class TrainPump:
     step: int
     refit: object = None             # callable: publish the stepped policy to the rollout ranks (S9)
     ref: torch.nn.Module | None = None
+    value_schedule: object = None    # the critic's learning rate per optimizer step (accumulator.lr_schedule)
     log: object = print
     policy_off: TrainerOffload | None = None
     value_off: TrainerOffload | None = None
@@ -127,13 +130,14 @@ class TrainPump:
         k = len(self.chunks)
         with torch.no_grad():
             self.events.append("value.forward")
-            old_values = self.value(ids) * mask                                   # (B_c, T), frozen (S6)
+            old_values = self.value(ids, c.get("lengths")) * mask                 # (B_c, T), frozen (S6)
         # GAE needs only the values and rewards; the policy then runs micro-batch by micro-batch.
         adv, returns = compute_gae(c["rewards"], old_values, mask, self.cfg.gamma, self.cfg.lam)
+        raw_adv = adv
         if self.cfg.normalize_advantages:
             adv = masked_whiten(adv, mask)                                       # per chunk (S19)
         self._policy_resident()
-        entry = {**c, "old_values": old_values, "returns": returns, "adv": adv}
+        entry = {**c, "old_values": old_values, "returns": returns, "adv": adv, "raw_adv": raw_adv}
         old, refs, gaps = [], [], []
         for rows in self._micro_batches(ids.shape[0], self.cfg.policy_micro_rows):
             part = _slice_rows(entry, rows)
@@ -142,16 +146,18 @@ class TrainPump:
                 old.append(torch.zeros_like(part["mask"]))  # never read: the step's policy epochs are skipped
                 continue
             if self.ref is not None and self.cfg.kl_coef:
+                self.events.append("reference.forward")
                 with torch.no_grad():
-                    refs.append(token_logprobs(self.ref, part["input_ids"]))  # before the policy's graph exists
+                    refs.append(token_logprobs(self.ref, part["input_ids"], lengths=part.get("lengths")))  # no graph yet
             self.events.append("policy.forward")
-            logp = token_logprobs(self.policy, part["input_ids"])                  # (rows, T)
+            logp, entropy = token_logprobs(self.policy, part["input_ids"], entropy=True, lengths=part.get("lengths"))
             has_engine = "rollout_logp" in part
             old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
             if has_engine:
                 gaps.append(logprob_gap(logp.detach(), part["rollout_logp"], part["mask"]))
             if not self.cfg.critic_warmup:  # accumulates; no optimizer step between chunks (S5)
-                self._policy_backward(logp, {**part, "old_logp": old[-1], "ref_logp": refs[-1] if refs else None})
+                self._policy_backward(logp, {**part, "old_logp": old[-1], "ref_logp": refs[-1] if refs else None},
+                                      entropy)
                 if gaps:
                     self.calls[-1]["ppo_logprob_gap"] = gaps[-1]
         if self.cfg.critic_warmup and gaps:
@@ -190,7 +196,8 @@ class TrainPump:
                 for c in self.chunks:
                     for rows in self._micro_batches(c["input_ids"].shape[0], self.cfg.policy_micro_rows):
                         part = _slice_rows(c, rows)
-                        self._policy_backward(token_logprobs(self.policy, part["input_ids"]), part)
+                        self._policy_backward(token_logprobs(self.policy, part["input_ids"], lengths=part.get("lengths")),
+                                              part)
                 self.events.append("policy.step")
                 out.update(self.policy_acc.finish())
             if not self.cfg.refit_after_critic:
@@ -202,17 +209,35 @@ class TrainPump:
         self.log(f"train_pump: step {self.step} closing on {len(self.chunks)} chunk(s)")
         if self.skipped:
             out["skipped_nonfinite"] = float(self.skipped)
+        out.update(self._value_stats())
         return {**roll_up(self.calls), **out, "ppo_chunks": float(len(self.chunks)),
                 "time/last_chunk": self.last_chunk_s, "time/close": time.perf_counter() - t0}
+
+    def _value_stats(self) -> dict:
+        """Over every train rank's valid tokens (a collective): the means of the GAE advantages (before
+        whitening), returns and old values, and how much of the returns' variance the critic explains,
+        1 - Var(R - V) / Var(R) (verl's vf_explained_var)."""
+        sums = torch.zeros(7, dtype=torch.float64, device=self.device)
+        for c in self.chunks:
+            m = c["mask"].double()
+            ret, val, adv = c["returns"].double(), c["old_values"].double(), c["raw_adv"].double()
+            sums += torch.stack([m.sum(), (adv * m).sum(), (ret * m).sum(), (val * m).sum(), (ret.square() * m).sum(),
+                                 ((ret - val) * m).sum(), ((ret - val).square() * m).sum()])
+        total = dist.all_reduce(sums)
+        adv, ret, val, ret2, err, err2 = (total[1:] / total[0].clamp_min(1)).cpu().tolist()  # one device sync
+        var_ret, var_err = ret2 - ret * ret, err2 - err * err
+        return {"advantages_mean": adv, "returns_mean": ret, "values_mean": val,
+                "value_explained_var": 1 - var_err / var_ret if var_ret > 0 else float("nan")}
 
     @property
     def skipped(self) -> int:
         """Policy windows of this step abandoned for a non-finite loss or gradient."""
         return self.policy_acc.skipped - self._skipped_before
 
-    def _policy_backward(self, logp: torch.Tensor, c: dict) -> None:
+    def _policy_backward(self, logp: torch.Tensor, c: dict, entropy: torch.Tensor | None = None) -> None:
         loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], self.cfg.clip_eps, c["ref_logp"],
-                                       self.cfg.kl_coef, prefix="ppo")
+                                       self.cfg.kl_coef, prefix="ppo", clip_eps_high=self.cfg.clip_eps_high,
+                                       dual_clip=self.cfg.dual_clip, entropy=entropy)
         self.events.append("policy.backward")
         self.policy_acc.backward(loss, divisor)  # a non-finite loss poisons the step's window (B12)
         self.calls.append(m)
@@ -226,17 +251,18 @@ class TrainPump:
         """critic_ppo_epochs passes over the assembled batch against the frozen returns (S10)."""
         rows = [(c, i) for c in self.chunks for i in range(c["input_ids"].shape[0])]
         size = self.cfg.critic_micro_rows or len(rows)
-        acc = Accumulator(self.value, self.value_opt, n_micro=None, max_grad_norm=self.cfg.value_max_grad_norm)
+        acc = Accumulator(self.value, self.value_opt, n_micro=None, max_grad_norm=self.cfg.value_max_grad_norm,
+                          schedule=self.value_schedule)
         calls, samples, norms = [], 0, []
         for _ in range(self.cfg.critic_ppo_epochs):
             self.events.append("critic.epoch")
             for start in range(0, len(rows), size):
                 part = rows[start:start + size]
-                b = _stack(part, ("input_ids", "mask", "old_values", "returns"))
+                b = _stack(part, ("input_ids", "mask", "old_values", "returns", "lengths"))
                 if acc.poisoned:  # a non-finite loss abandoned this epoch's critic step
                     samples += len(part)
                     continue
-                v = self.value(b["input_ids"])
+                v = self.value(b["input_ids"], b.get("lengths"))
                 loss, divisor, m = value_loss(v, b["old_values"], b["returns"], b["mask"], self.cfg.value_clip_eps)
                 acc.backward(loss, divisor)
                 calls.append(m)
@@ -258,7 +284,8 @@ def _stack(rows, keys) -> dict[str, torch.Tensor]:
     """Rows from different chunks (each padded to its own length) -> one right-padded batch."""
     T = max(c["input_ids"].shape[1] for c, _ in rows)
     out = {}
-    for k in keys:
-        parts = [torch.nn.functional.pad(c[k][i], (0, T - c[k].shape[1])) for c, i in rows]
+    for k in (k for k in keys if k in rows[0][0]):  # per-row scalars (lengths) stack as they are
+        parts = [c[k][i] if c[k].dim() == 1 else torch.nn.functional.pad(c[k][i], (0, T - c[k].shape[1]))
+                 for c, i in rows]
         out[k] = torch.stack(parts)
     return out

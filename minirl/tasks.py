@@ -7,7 +7,7 @@
   to the number after `####`.
 - Rewards: 1.0 when the answer number extracted from the completion equals the reference,
   else 0.0. A completion is parsed with a regex, never executed.
-- Prompt ids (spec/batching.md "Prerequisite: reproducibility"): `prompt_id(shard, index)` is
+- Prompt ids (B14): `prompt_id(shard, index)` is
   deterministic, monotonic in the index, and scoped by shard so replicas never collide. The
   data-parallel partition sorts rows by (group_id, id) and deals contiguous whole groups.
 """
@@ -20,7 +20,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from minirl.config import TaskConfig
+from minirl.config import ConfigError, TaskConfig
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
 
@@ -110,31 +110,47 @@ class CountTask:
 
 
 class JsonlTask:
-    """Prompts and reference answers from a JSONL file; GSM8K-style answer extraction."""
+    """Prompts and reference answers from a JSONL file; GSM8K-style answer extraction.
 
-    def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = ""):
-        rows = self._read(path)
+    Every line is checked when the task loads, before any model is built: a JSON object whose
+    "prompt" and "answer" are strings (not null, a number, an object or a list), and, given the
+    tokenizer, a prompt within --rollout.max-prompt-tokens. A bad line is a ConfigError naming
+    file:line and the flag."""
+
+    def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0):
+        rows = self._read(path, "--task.path", tok, limit)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
-            self.eval_set, self.rows = self._read(eval_path)[:eval_prompts], rows
+            self.eval_set, self.rows = self._read(eval_path, "--task.eval-path", tok, limit)[:eval_prompts], rows
         else:
             k = min(eval_prompts, len(rows) // 5)
             self.eval_set, self.rows = rows[:k], rows[k:]
         if not self.rows:
-            raise ValueError(f"{path}: no training prompts")
+            raise ConfigError(f"--task.path={path!r}: no training prompts")
 
     @classmethod
-    def _read(cls, path: str) -> list[Problem]:
+    def _read(cls, path: str, flag: str, tok, limit: int) -> list[Problem]:
         rows = []
         with open(path) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
+                where = f"{flag}: {path}:{n}"
                 try:
                     r = json.loads(line)
-                    rows.append(Problem(str(r["prompt"]), cls._reference(str(r["answer"]))))
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{path}:{n}: expected {{\"prompt\": ..., \"answer\": ...}} ({e})") from e
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{where}: not JSON ({e})") from e
+                if not isinstance(r, dict):
+                    raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
+                                      f"{type(r).__name__}")
+                for key in ("prompt", "answer"):
+                    if not isinstance(r.get(key), str):
+                        got = "missing" if key not in r else f"a {type(r[key]).__name__}"
+                        raise ConfigError(f"{where}: \"{key}\" must be a string, got {got}")
+                if tok is not None and limit and len(tok(r["prompt"], add_special_tokens=False).input_ids) > limit:
+                    raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
+                                      "raise the flag or shorten the prompt")
+                rows.append(Problem(r["prompt"], cls._reference(r["answer"])))
         return rows
 
     @staticmethod
@@ -152,7 +168,7 @@ class JsonlTask:
 def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32) -> None:
     """A deliberately SHORT supervised start on CountTask (teacher-forced answer + EOS).
 
-    From random init the count task's reward is too sparse for RL on 2 cores (ENV-NOTES.md);
+    From random init the count task's reward is too sparse for RL on 2 cores (accuracy stayed near 0.01 for 10 minutes);
     a few supervised steps teach the answer format and stop far below what supervision alone
     would reach, so the RL phase has real work left (the built-in model's role is that of an
     instruct model that is mediocre at the task).
@@ -205,7 +221,11 @@ def held_out_accuracy(engine, task, tok, limit: int, rank: int = 0, world: int =
     return (tot[0] / tot[1].clamp_min(1)).item()
 
 
-def make_task(cfg: TaskConfig, seed: int):
+def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0):
+    """The task, every prompt checked against the prompt budget `limit` when `tok` is given."""
     if cfg.name == "count":
+        if limit and limit < CountTask.max_len + 3:
+            raise ConfigError(f"--rollout.max-prompt-tokens={limit}: the built-in task's prompts take up to "
+                              f"{CountTask.max_len + 3} tokens")
         return CountTask(seed, cfg.eval_prompts)
-    return JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path)
+    return JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit)

@@ -2,8 +2,13 @@
 # PPO with a critic, streamed, on CPU: rank 0 generates with vLLM, rank 1 trains policy and critic on
 # completed groups while the rest of the step is still generating.
 # Expect: `train_pump: step S chunk K` lines, several per step when generation is the bottleneck, and
-# `closing on K chunk(s)`; held-out greedy accuracy from <= 0.3 to >= 0.7 within about 650 steps
-# (6-8 minutes on 2 cores; seen: 0.29 at step 50, 0.69 at 426, 0.81 at 625).
+# `closing on K chunk(s)`; held-out greedy accuracy from <= 0.3 to >= 0.7 within 450-650 steps (about
+# 4 minutes on 2 cores; seen: 0.29 at step 50, 0.69 at 426, 0.81 at 625); all 800 steps take 6-8 minutes.
+# With --async-rl.sampler.max-lookahead-versions 1 a group may come from the policy one version
+# back; --ppo.use-rollout-logprobs-for-loss takes pi_old from the engine that sampled it, which on
+# CPU in float32 matches the trainer to 1e-6 (logprob_gap), so the ratio corrects that staleness
+# exactly. (On GPUs the engine's bf16 kernels differ from the trainer's: the default, the trainer's
+# own pi_old, is the safer choice there.) Without it this demo has been seen to stall at 0.69.
 set -euo pipefail
 if [ -x .venv/bin/torchrun ]; then TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}; else TORCHRUN=${TORCHRUN:-torchrun}; fi
 exec $TORCHRUN --standalone --nproc-per-node 2 -m minirl.ppo \
@@ -17,6 +22,7 @@ exec $TORCHRUN --standalone --nproc-per-node 2 -m minirl.ppo \
   --async-rl.rollout-groups-per-call 2 \
   --async-rl.sampler.name in_order \
   --async-rl.sampler.max-lookahead-versions 1 \
+  --ppo.use-rollout-logprobs-for-loss \
   --log.eval-every 25 \
   --log.run-dir runs/cpu_ppo \
   "$@"

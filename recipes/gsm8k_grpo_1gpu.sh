@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K, Qwen2.5-0.5B-Instruct, one GPU, colocated: vLLM generates, sleeps, the trainer
-# takes the card, then the new weights go back to the engine (spec/batching.md "Colocated offload").
-#   pip install -e '.[cuda]' datasets && python recipes/prepare_gsm8k.py --out data/gsm8k
+# takes the card, then the new weights go back to the engine (docs/guide-batching.md).
+#   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --out data/gsm8k
 #   bash recipes/gsm8k_grpo_1gpu.sh
 # Expect (reference, not measured by minirl): held-out greedy accuracy rising from about 0.5 (the
 # instruct model's GSM8K score) by several points within a few hundred steps, as peers report for

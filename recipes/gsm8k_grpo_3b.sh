@@ -3,7 +3,7 @@
 # collected batch (n_mini = 4): each batch of 128 prompts x 8 samples (1024 trajectories over the 8
 # data-parallel ranks) is scored once for pi_old (the ahead pass, B17), then trained as 4 mini-batches
 # of 256, each accumulated over 4 micro-batches of 64 (8 rows per rank per forward/backward).
-#   pip install -e '.[cuda]' datasets && python recipes/prepare_gsm8k.py --model Qwen/Qwen2.5-3B-Instruct --out data/gsm8k_3b
+#   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --model Qwen/Qwen2.5-3B-Instruct --out data/gsm8k_3b
 #   bash recipes/gsm8k_grpo_3b.sh
 # Expect (reference, not measured by minirl): Qwen2.5-3B-Instruct starts near 0.8 greedy on GSM8K test;
 # GRPO should add a few points. Not yet run on GPUs by the minirl authors.

@@ -2,10 +2,19 @@
 # PPO with a critic on GSM8K, Qwen2.5-0.5B-Instruct, one node of 8 GPUs, disaggregated and streamed:
 # GPUs 0-1 generate (vLLM), GPUs 2-7 train policy and critic (FSDP2) on completed groups while the
 # rest of each step is still generating.
-#   pip install -e '.[cuda]' datasets && python recipes/prepare_gsm8k.py --out data/gsm8k
+#   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --out data/gsm8k
 #   bash recipes/gsm8k_ppo_8gpu.sh
 # Expect (reference, not measured by minirl): verl reports Qwen2.5-0.5B-Instruct going from 49.6 to
 # 56.7 on GSM8K test with PPO (eval_accuracy here is greedy accuracy on 512 test problems).
+# Against verl's quickstart PPO run on this model (as we read it: 256 prompts x 1 sample per step,
+# 256 response tokens, actor lr 1e-6, critic lr 1e-5, mini-batches of 64, KL 0.001, 15 epochs):
+# - the same learning rates, response length, samples per prompt and about 15 epochs (435 steps);
+# - 252 prompts a step, not 256: a step splits evenly over the 6 train ranks;
+# - ONE policy optimizer step per batch, not 4 mini-batches of 64: streaming trains each chunk as it
+#   completes and steps once (rule S20 requires ppo_epochs = 1); for verl-like mini-batches use full
+#   batch (--async-rl.min-groups-for-streaming-train 252) with --ppo.ppo-epochs;
+# - the KL: verl subtracts it from the reward (kl_ctrl.kl_coef 0.001); here --ppo.kl-coef 0.001 is a
+#   k3 KL term in the policy loss against the frozen starting model (GRPO-style).
 # `train_pump: step S chunk K` lines show the streaming. Not yet run on GPUs by the minirl authors:
 # a first run should watch the first steps' memory and time/step, and adjust the flags below.
 # `bash recipes/gsm8k_ppo_8gpu.sh --dry-run` prints each rank's devices and memory estimate first.
@@ -24,13 +33,14 @@ exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --ppo.lr 1e-6 \
   --ppo.value-lr 1e-5 \
   --ppo.critic-warmup-steps 0 \
+  --ppo.kl-coef 0.001 \
   --ppo.policy-micro-batch-rows 8 --ppo.critic-micro-batch-rows 8 \
   --ppo.adv-estimator.gamma 1.0 --ppo.adv-estimator.lam 1.0 \
   --async-rl.min-groups-for-streaming-train 42 \
   --async-rl.rollout-groups-per-call 42 \
   --async-rl.sampler.name in_order \
   --async-rl.sampler.max-lookahead-versions 1 \
-  --rollout.max-prompt-tokens 512 --rollout.max-tokens 512 \
+  --rollout.max-prompt-tokens 512 --rollout.max-tokens 256 \
   --rollout.gpu-memory-utilization 0.6 \
   --checkpoint.every 50 \
   --log.eval-every 25 \

@@ -1,6 +1,6 @@
 """Write GSM8K as minirl JSONL ({"prompt", "answer"} per line), prompts in the model's chat format.
 
-    pip install datasets
+    pip install -e '.[gsm8k]'
     python recipes/prepare_gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --out data/gsm8k
 
 Writes OUT/train.jsonl (7473 problems) and OUT/test.jsonl (1319). The instruction asks for the

@@ -68,7 +68,7 @@ def toy_logprobs(model, ids):
 
 def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300) -> tuple[int, str]:
     """Start `cmd`, send it SIGTERM once `metrics` (a metrics.jsonl) holds `records` lines that
-    have a step's reward, and return (exit code, stderr)."""
+    have a step's reward, and return (exit code, its stdout and stderr together)."""
     import signal
     import time
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
@@ -79,8 +79,8 @@ def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300
                                       sum("reward_mean" in line for line in open(metrics)) < records):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
 
 
 class OneDevice:
@@ -110,6 +110,9 @@ class OneDevice:
                     raise RuntimeError(f"{func}: tensors on {sorted(map(str, devices))}")
                 if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
                     return 1.0 if args[0].dtype.is_floating_point else 1
+                if func is torch.ops.aten._to_copy.default and args[0].device.type == "meta" and \
+                        kwargs.get("device", torch.device("meta")).type == "cpu":  # reading values back: fake ones
+                    return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
                 return func(*args, **kwargs)
 
         self.mode = Mode()

@@ -5,7 +5,9 @@ of order 1e-2, the spec's "~5e-8 on a real batch".
 """
 
 import copy
+import math
 
+import pytest
 import torch
 
 from conftest import RecordingSGD, toy_lm, toy_logprobs
@@ -169,3 +171,30 @@ def test_rollup_is_token_weighted_and_counts_sum(world):
     assert r["grpo_denom"] == whole_div.item() and r["grpo_n"] == 12 and r["grpo_tokens"] == mask.sum().item()
     plain_mean = sum(c["grpo_loss"] for c in calls) / len(calls)
     assert abs(plain_mean - whole_loss.item()) > 1e-3  # a plain mean is visibly wrong here
+
+
+def test_a_run_whose_updates_stay_non_finite_stops_after_the_limit():
+    from minirl.accumulator import Stall, StalledError
+    stall = Stall(3, "a learning rate too high (--rl.lr=1)")
+    for step, stepped in enumerate([True, False, False, True, False, False]):
+        stall.step(stepped, step)  # never three in a row
+    with pytest.raises(StalledError, match=r"step 6: 3 steps in a row \(4-6\) took no optimizer step.*--rl\.lr=1"):
+        stall.step(False, 6)
+
+
+def test_lr_schedule_warms_up_then_holds_or_follows_a_cosine():
+    from minirl.accumulator import lr_schedule
+    const = lr_schedule(1.0, warmup=4, total=20)
+    assert [const(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = lr_schedule(1.0, warmup=1, total=12, kind="cosine", min_ratio=0.1)
+    assert cos(0) == 1.0 and abs(cos(1) - 1.0) < 1e-12 and abs(cos(11) - 0.1) < 1e-12 and cos(20) == cos(11)
+    assert abs(cos(6) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12  # half way: 0.55
+    model = toy_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=123.0)
+    acc = Accumulator(model, opt, 1, schedule=const)
+    seen = []
+    for _ in range(5):
+        loss = toy_logprobs(model, torch.randint(0, 11, (2, 5))).sum() * 0.0
+        acc.backward(loss, 1.0)
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == [0.25, 0.5, 0.75, 1.0, 1.0]  # set before each step, from the step count

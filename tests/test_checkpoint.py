@@ -1,5 +1,7 @@
-"""Checkpoints and resume with the real engine on CPU: exact resume, a kill mid-save, corrupt and
-partial checkpoints, SIGTERM's emergency save, and the colocated cycle as the real loop runs it."""
+"""checkpoint.py: loading never runs what a checkpoint holds, and a checkpoint of another model shape
+is refused by name (no engine); then with the real engine on CPU: exact resume, a kill mid-save,
+corrupt and partial checkpoints, SIGTERM's emergency save, and the colocated cycle as the real loop
+runs it."""
 
 import json
 import os
@@ -11,8 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run, sigterm_after
+from minirl import checkpoint, models
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def e2e(test):
+    """The real engine, end to end: a slow test."""
+    return pytest.mark.vllm(pytest.mark.slow(test))
+
 BASE = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--log.eval-every", "0", "--rl.deterministic",
         "--checkpoint.every", "2"]
 
@@ -22,12 +30,73 @@ def grpo(run_dir, *flags, env=None):
 
 
 def records(d):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time", "tokens_per_s"))}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time", "tokens_per_s", "memory"))}
             for line in open(d / "metrics.jsonl")]
 
 
 def weights(d):
     return load_file(d / "final" / "model.safetensors")
+
+
+def saved(tmp_path, world, path, **tiny):
+    """One AdamW step on a sharded policy, saved; returns (checkpoint folder, parts)."""
+    policy = models.sharded(path, "policy", world, "float32")
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    models.token_logprobs(policy, torch.randint(3, 40, (2, 6))).sum().backward()
+    opt.step()
+    return checkpoint.save(str(tmp_path / "ckpt"), 1, {"policy": (policy, opt)}, {}, keep=2), {"policy": (policy, opt)}
+
+
+class Payload:
+    """Unpickles by running a shell command (touching `marker`), then hands back `value`'s expression."""
+
+    def __init__(self, marker, value: str):
+        self.code = f"(__import__('os').system('touch {marker}'), {value})[1]"
+
+    def __reduce__(self):
+        return (eval, (self.code,))
+
+
+def test_a_crafted_metadata_is_refused_and_its_payload_never_runs(tmp_path, world, tiny_path):
+    import pickle
+    path, parts = saved(tmp_path, world, tiny_path)
+    meta = os.path.join(path, ".metadata")
+    marker = tmp_path / "pwned"
+    real = open(meta, "rb").read()
+    with open(meta, "wb") as f:
+        pickle.dump(Payload(marker, f"__import__('pickle').loads({real!r})"), f)  # the real metadata after
+    pickle.loads(open(meta, "rb").read())  # the crafted file does run its command under plain pickle...
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: refers to builtins\.eval"):
+        checkpoint.load(path, parts)
+    assert not marker.exists()  # ...and minirl's loader never ran it
+
+
+def test_a_crafted_optimizer_item_is_refused_and_its_payload_never_runs(tmp_path, world, tiny_path):
+    """A non-tensor item (an optimizer hyperparameter) that unpickles by running a command: DCP's own
+    reader would run it (torch.load with weights_only=False); minirl's refuses it first."""
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    marker = tmp_path / "pwned"
+    opt.param_groups[0]["lr"] = Payload(marker, "1e-3")  # runs only when unpickled
+    path = checkpoint.save(str(tmp_path / "ckpt"), 1, {"policy": (policy, opt)}, {}, keep=2)
+    assert not marker.exists()
+    fresh = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    with pytest.raises(checkpoint.CheckpointError, match=r"param_groups\.0\.lr: not plain data"):
+        checkpoint.load(path, {"policy": (policy, fresh)})
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_model_shape_names_the_parameter_and_both_shapes(tmp_path, world, tiny_path):
+    from minirl.config import TinyModelConfig
+    path, _ = saved(tmp_path, world, tiny_path)
+    wider = models.build_tiny(TinyModelConfig(hidden_size=192, num_heads=3))
+    policy = models.sharded(wider, "policy", world, "float32")
+    parts = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))}
+    with pytest.raises(checkpoint.CheckpointError, match=r"'model\.embed_tokens\.weight' has shape \(50, 128\) "
+                                                         r"there and \(50, 192\) in this model"):
+        checkpoint.load(path, parts)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +106,7 @@ def straight(tmp_path_factory):
     return d
 
 
+@e2e
 def test_resume_is_exact(straight, tmp_path):
     assert grpo(tmp_path, "--steps", "2").returncode == 0
     assert grpo(tmp_path, "--steps", "4", "--checkpoint.resume", "auto").returncode == 0
@@ -45,6 +115,7 @@ def test_resume_is_exact(straight, tmp_path):
     assert records(straight) == records(tmp_path)
 
 
+@e2e
 def test_scheduled_saves_publish_once_per_step(straight):
     """B22: a scheduled save at a step that does not validate runs inside the update's window, so a
     save step syncs the engine once, like any other (down the after-publication path it would be twice)."""
@@ -53,19 +124,66 @@ def test_scheduled_saves_publish_once_per_step(straight):
     assert [r["weight_syncs"] for r in recs] == [1, 1, 1, 1]
 
 
-def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight, tmp_path):
-    p = grpo(tmp_path, "--steps", "4", env={"MINIRL_FAULT": "kill_in_save:4"})
+@e2e
+@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save", "kill_before_rename"])
+def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight, tmp_path, point):
+    """kill -9 while step 4's checkpoint is written: with a data file cut short, after the data but
+    before the COMPLETE marker, and complete but not yet renamed. The resume takes step 2's and the
+    run ends exactly as one that was never interrupted."""
+    p = grpo(tmp_path, "--steps", "4", env={"MINIRL_FAULT": f"{point}:4"})
     assert p.returncode == -signal.SIGKILL
     ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
-    assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one never got its marker
+    assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one is never taken
     p = grpo(tmp_path, "--steps", "4", "--checkpoint.resume", "auto")
-    assert p.returncode == 0 and "step_00000002" in p.stderr
+    assert p.returncode == 0 and "step_00000002" in p.stdout
     a, b = weights(straight), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(straight) == records(tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004"]
 
 
+@e2e
+def test_a_resume_never_loses_the_history_and_the_lr_flag_wins(tmp_path):
+    """`--checkpoint.resume auto` with nothing to resume says so and starts fresh; kill -9 at several
+    moments of a resumed run leaves metrics.jsonl holding every step up to the checkpoint, whole
+    lines only; a resume with another --rl.lr trains at the flag's rate and says so."""
+    import subprocess
+    import time
+
+    from conftest import TORCHRUN_VARS
+    p = grpo(tmp_path, "--steps", "2", "--checkpoint.every", "1", "--checkpoint.resume", "auto")
+    assert p.returncode == 0 and "no complete checkpoint in" in p.stdout and "starting fresh" in p.stdout
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    cmd = [sys.executable, "-m", "minirl.grpo", *BASE, "--log.run-dir", str(tmp_path), "--steps", "6",
+           "--checkpoint.every", "1", "--checkpoint.resume", "auto"]
+    for delay in (0.5, 2.0, 4.0, 7.0):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        done = checkpoint.steps_done(checkpoint.find("auto", str(tmp_path / "checkpoints")))
+        steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]  # every line whole
+        assert steps[:done] == list(range(done)), (delay, done, steps)
+    p = grpo(tmp_path, "--steps", "6", "--checkpoint.every", "1", "--checkpoint.resume", "auto", "--rl.lr", "5e-5")
+    assert p.returncode == 0
+    assert "--rl.lr=5e-05: the checkpoint's optimizer was at lr 0.0001; training at 5e-05" in p.stdout
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == list(range(6))
+
+
+@e2e
+def test_a_run_that_can_no_longer_learn_stops_without_saving_or_exporting(tmp_path):
+    """Rewards turn NaN from step 2 (an injected fault): steps 2 and 3 take no optimizer step, the run
+    stops there with exit 3 and one line, no checkpoint is written from a skipped step and no export."""
+    p = grpo(tmp_path, "--steps", "10", "--checkpoint.every", "1", "--rl.max-skipped-steps", "2",
+             env={"MINIRL_FAULT": "nan_rewards:2"})
+    assert p.returncode == 3
+    assert "stopped: step 3: 2 steps in a row (2-3) took no optimizer step" in p.stderr and "Traceback" not in p.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
+    assert not (tmp_path / "final").exists()
+    assert [json.loads(line).get("skipped_nonfinite", 0) for line in open(tmp_path / "metrics.jsonl")] == [0, 0, 1, 1]
+
+
+@e2e
 def test_partial_and_corrupt_checkpoints_are_refused_by_name(straight, tmp_path):
     import shutil
     src = straight / "checkpoints" / "step_00000004"
@@ -83,6 +201,7 @@ def test_partial_and_corrupt_checkpoints_are_refused_by_name(straight, tmp_path)
         assert str(path) in p.stderr and words in p.stderr and "Traceback" not in p.stderr
 
 
+@e2e
 def test_sigterm_saves_and_exits(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     code, err = sigterm_after([sys.executable, "-m", "minirl.grpo", *BASE, "--steps", "500", "--checkpoint.every",
@@ -93,6 +212,7 @@ def test_sigterm_saves_and_exits(tmp_path):
     assert "SIGTERM" in err
 
 
+@e2e
 def test_profile_records_the_colocated_cycle_with_the_real_engine(tmp_path):
     """B20 and B27; and B22: every step saves (a scheduled save, no validation), inside the update's
     window: after training, before the weights are published, with no extra hand-off."""
@@ -105,3 +225,19 @@ def test_profile_records_the_colocated_cycle_with_the_real_engine(tmp_path):
                                   "rollout.wake_up(kv_cache)"]
         assert 0 < prof["train/optimizer_s"] < prof["train/s"]
         assert all(f"{ph}/rss_mib" in prof and f"{ph}/s" in prof for ph in prof["phases"])
+
+
+def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, world, tiny_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 200_000)
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    card = {"name": "t", "steps": 3}
+    checkpoint.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, card)
+    files = sorted(os.listdir(tmp_path / "final"))
+    shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert "README.md" in files and "| steps | 3 |" in (tmp_path / "final" / "README.md").read_text()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.bfloat16)
+    ref = models.load_policy(tiny_path)
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ref.state_dict().values(),
+                                                                     back.state_dict().values()))

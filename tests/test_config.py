@@ -97,3 +97,47 @@ def test_full_batch_allows_several_policy_epochs_and_colocated_placement():
     a.validate(2)
     a.grid.gpu_placement = "colocated"
     a.validate(1)
+
+
+@pytest.mark.parametrize("rl, flag", [
+    (dict(clip_eps=-0.2), "--rl.clip-eps"),
+    (dict(kl_coef=-0.1), "--rl.kl-coef"),
+    (dict(max_grad_norm=-1.0), "--rl.max-grad-norm"),
+    (dict(max_skipped_steps=0), "--rl.max-skipped-steps"),
+])
+def test_values_that_would_silently_change_the_objective_are_refused(rl, flag):
+    with pytest.raises(ConfigError, match=flag.replace(".", r"\.")):
+        args(**rl).validate(1)
+
+
+def test_log_every_zero_is_refused_before_the_first_step():
+    a = args()
+    a.log.every = 0
+    with pytest.raises(ConfigError, match=r"--log\.every=0 must be >= 1"):
+        a.validate(1)
+    p = PPOArgs()
+    p.ppo.clip_eps = 0.0
+    with pytest.raises(ConfigError, match=r"--ppo\.clip-eps"):
+        p.validate(2)
+
+
+def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_path):
+    a = args()
+    a.log.run_dir = str(tmp_path / "file")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        a.validate(1)
+    a.log.run_dir = str(tmp_path / "file" / "run")
+    with pytest.raises(ConfigError, match="is not writable"):
+        a.validate(1)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    a.log.run_dir = str(run)
+    with pytest.raises(ConfigError, match=r"already holds a run .* --checkpoint\.resume auto, .* --log\.overwrite"):
+        a.validate(1)
+    a.checkpoint.resume = "auto"
+    a.validate(1)
+    a.checkpoint.resume, a.log.overwrite = "", True
+    a.validate(1)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # validation never touches it

@@ -15,7 +15,8 @@ STEPS = ["--steps", "3", "--log.eval-every", "2", "--rl.batch-per-replica", "16"
 
 
 def records(run_dir):
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    """The step records (the baseline evaluation before the first update is a record of its own)."""
+    return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "reward_mean" in r]
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,17 @@ def test_single_process_run_logs_every_step_and_exports_hf(one_rank):
     assert [r["step"] for r in recs] == [0, 1, 2]
     for r in recs:
         assert 0.0 <= r["reward_mean"] <= 1.0
-        for key in ("grpo_loss", "grpo_denom", "grpo_clipfrac", "time/generate", "time/train", "time/publish"):
+        for key in ("grpo_loss", "grpo_denom", "grpo_clipfrac", "time/generate", "time/train", "time/publish",
+                    "reward_std", "frac_reward_zero_std", "completion_len_min", "completion_clip_ratio", "entropy",
+                    "lr", "logprob_gap", "memory_peak_gib"):
             assert key in r, key
-    assert "eval_accuracy" in recs[0] and "eval_accuracy" in recs[2]
+        assert 0 <= r["frac_reward_zero_std"] <= 1 and r["completion_len_min"] <= r["completion_len_max"]
+        assert r["entropy"] > 0 and r["logprob_gap"] < 1e-3 and r["memory_peak_gib"] > 0.1
+    baseline = json.loads(open(d / "metrics.jsonl").readline())  # scored before the first update
+    assert {k: v for k, v in baseline.items() if not k.startswith("time/")} == {
+        "step": 0, "eval_accuracy": baseline["eval_accuracy"], "eval_version": 0}
+    assert baseline["time/eval"] > 0  # start-up phases (build_trainer, build_engine) may ride along
+    assert [r.get("eval_version") for r in recs] == [None, 2, 3]  # every 2 steps, and after the last
     assert "reward" in p.stdout and "step    2" in p.stdout
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(d / "final")
@@ -71,12 +80,27 @@ def test_four_ranks_match_one_rank(one_rank, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
-def test_bad_flags_fail_fast_naming_the_flag(tmp_path):
+def test_bad_flags_fail_fast_naming_the_flag(tmp_path, tiny_path):
+    """One line naming the flag or file, exit 2, no traceback, nothing built (docs/reliability.md)."""
+    import shutil
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny_path, garbage)
+    (garbage / "config.json").write_text("{ not json")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"prompt": "ab#a=", "answer": "1"}\n{"prompt": null, "answer": "1"}\n')
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 0}\n')
     for flags, flag in [(["--model.path", str(tmp_path / "nope")], "--model.path"),
                         (["--model.tiny.num-heads", "8"], "--model.tiny.num-heads"),
                         (["--rollout.kv-cache-gib", "500"], "--rollout.kv-cache-gib"),
-                        (["--rl.batch-per-replica", "12"], "--rl.batch-per-replica")]:
-        p = run([sys.executable, "-m", "minirl.grpo", *flags, "--log.run-dir", str(tmp_path / "r")], timeout=120)
+                        (["--rl.batch-per-replica", "12"], "--rl.batch-per-replica"),
+                        (["--model.path", str(garbage)], "config.json is not valid JSON"),
+                        (["--task.name", "jsonl", "--task.path", str(bad_jsonl)], f"{bad_jsonl}:2"),
+                        (["--rl.clip-eps", "-0.2"], "--rl.clip-eps"),
+                        (["--log.run-dir", str(used)], "already holds a run")]:
+        run_dir = [] if "--log.run-dir" in flags else ["--log.run-dir", str(tmp_path / "r")]
+        p = run([sys.executable, "-m", "minirl.grpo", *flags, *run_dir], timeout=120)
         assert p.returncode == 2, flags
         assert flag in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
@@ -86,7 +110,7 @@ def final_weights(d):
 
 
 def without_times(recs):
-    return [{k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"} for r in recs]
+    return [{k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s", "memory"))} for r in recs]
 
 
 @pytest.fixture(scope="module")

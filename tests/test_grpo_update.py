@@ -91,7 +91,8 @@ def test_probe_runs_once_and_fails_on_a_stochastic_forward(tiny_path, world):
         train(tiny_path, args, model=noisy)
     probe = Probe(model)  # the deterministic model passes, and says by how much
     ids = torch.tensor([[5, 6, 7, 8]])
-    probe(ids, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), token_logprobs(model.eval(), ids))
+    probe({"input_ids": ids, "mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]]), "lengths": torch.tensor([4])},
+          token_logprobs(model.eval(), ids))
     assert probe.done and probe.fraction == 0.0
 
 

@@ -34,3 +34,16 @@ def test_console_line_shows_the_key_numbers():
     line = console_line({"step": 7, "reward_mean": 0.5, "ppo_loss": -0.01, "value_loss": 0.2, "ppo_clipfrac": 0.03,
                          "time/step": 1.25, "tokens_per_s": 900.0})
     assert line == "step    7 | reward 0.5 | loss -0.01 | vloss 0.2 | clip 0.03 | s 1.25 | tok/s 900"
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """The W&B run id is kept in the run directory; a resume passes it back with resume="allow"."""
+    import types
+    inits = []
+    fake = types.SimpleNamespace(util=types.SimpleNamespace(generate_id=lambda: f"id{len(inits)}"),
+                                 init=lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None,
+                                                                                             finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    RunLog(str(tmp_path), enabled=True, wandb_project="p").close()
+    RunLog(str(tmp_path), enabled=True, wandb_project="p", start_step=5).close()
+    assert [(kw["id"], kw["resume"]) for kw in inits] == [("id0", "allow"), ("id0", "allow")]

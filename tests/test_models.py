@@ -66,3 +66,50 @@ def test_no_full_vocabulary_logits_for_the_whole_micro_batch(monkeypatch):
         model.zero_grad()
     assert seen["plain"] >= B * (T - 1) * V
     assert seen["chunked"] <= max(16 * V, params)
+
+
+def copy_of(tiny_path, tmp_path):
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(tiny_path, d)
+    return d
+
+
+def test_a_garbage_config_json_is_refused_naming_the_file(tiny_path, tmp_path):
+    from minirl.config import ConfigError, ModelConfig
+    d = copy_of(tiny_path, tmp_path)
+    (d / "config.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match=rf"{d}/config\.json is not valid JSON"):
+        models.resolve_path(ModelConfig(path=str(d)))
+
+
+def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_path):
+    import os
+    from minirl.config import ConfigError, ModelConfig
+    d = copy_of(tiny_path, tmp_path)
+    f = d / "model.safetensors"
+    os.truncate(f, os.path.getsize(f) - 1000)
+    with pytest.raises(ConfigError, match=rf"{f} is truncated"):
+        models.resolve_path(ModelConfig(path=str(d)))
+    os.truncate(f, 4)
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        models.resolve_path(ModelConfig(path=str(d)))
+
+
+def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path):
+    from minirl.config import ConfigError, ModelConfig
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"there is no local folder of that name, and as a hub name it could not "
+                                          r"be fetched"):
+        models.resolve_path(ModelConfig(path="runs/final"))
+
+
+def test_entropy_from_the_chunked_head_equals_the_full_distributions(tiny_path, monkeypatch):
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 5 * 50)
+    model = models.load_policy(tiny_path)
+    ids = torch.randint(3, 40, (3, 9), generator=torch.Generator().manual_seed(2))
+    lp, ent = models.token_logprobs(model, ids, entropy=True)
+    lp_ref, ent_ref = models.plain_token_logprobs(model, ids, entropy=True)
+    assert (lp - lp_ref).abs().max().item() < 1e-6 and (ent - ent_ref).abs().max().item() < 1e-5
+    assert not ent.requires_grad and (ent[:, 1:] > 0).all() and (ent[:, 0] == 0).all()

@@ -1,5 +1,6 @@
 """objective.py: each loss returns (normalized loss, divisor, metrics); divisors are post-shaping counts (B6)."""
 
+import pytest
 import torch
 
 from minirl.objective import policy_loss, value_loss
@@ -62,3 +63,27 @@ def test_value_loss_is_clipped_around_old_values(world):
     # clipped prediction 0.2 is further from the return than 0.5: max picks (0.2 - 1)^2
     torch.testing.assert_close(loss, torch.tensor(0.5 * 0.8 ** 2))
     assert div.item() == 6 and m["value_clipfrac"] == 1.0
+
+
+def reference_pg(ratio, adv, low, high, c):
+    """verl's compute_policy_loss, written out: clip to [1 - low, 1 + high]; for A < 0 bound by -c * A."""
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+    clip1 = torch.maximum(pg1, pg2)
+    if not c:
+        return clip1
+    return torch.where(adv < 0, torch.minimum(-adv * c, clip1), clip1)
+
+
+@pytest.mark.parametrize("low, high, c", [(0.2, 0.0, 0.0), (0.2, 0.28, 0.0), (0.2, 0.0, 3.0), (0.2, 0.28, 3.0)])
+def test_clip_higher_and_dual_clip_follow_the_formula(low, high, c):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = old + torch.randn(B, T, generator=g) * 1.5        # ratios from ~0.01 to ~90: every clip binds somewhere
+    adv = torch.randn(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    loss, divisor, m = policy_loss(logp, old, adv, mask, clip_eps=low, clip_eps_high=high, dual_clip=c)
+    ref = reference_pg(torch.exp(logp - old), adv, low, high or low, c)
+    assert torch.allclose(loss, (ref * mask).sum() / mask.sum(), atol=1e-6)
+    if c:  # the dual clip really binds on these ratios
+        assert not torch.allclose(ref, reference_pg(torch.exp(logp - old), adv, low, high or low, 0.0))

@@ -28,3 +28,15 @@ def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
 def test_missing_metrics_names_the_flag(tmp_path):
     with pytest.raises(SystemExit, match="--log.run-dir"):
         plot(str(tmp_path))
+
+
+def test_evaluations_are_drawn_at_the_version_they_scored(tmp_path):
+    """PPO's rollout ranks score a version while later steps train: an eval's x is its eval_version."""
+    recs = [{"step": 0, "eval_accuracy": 0.1, "eval_version": 0},
+            {"step": 0, "reward_mean": 0.0, "completion_len_mean": 3.0, "completion_len_max": 6,
+             "completion_clip_ratio": 0.25},
+            {"step": 3, "reward_mean": 0.2, "eval_accuracy": 0.4, "eval_version": 2}]
+    write_run(tmp_path, recs)
+    assert series(read(str(tmp_path)), "eval_accuracy") == ([0, 2], [0.1, 0.4])
+    assert series(read(str(tmp_path)), "completion_len_max") == ([0], [6])
+    plot(str(tmp_path))

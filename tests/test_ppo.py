@@ -108,15 +108,19 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
              "--async-rl.sampler.max-lookahead-versions", "0", "--ppo.critic-ppo-epochs", "2",
              "--log.eval-every", "2", "--log.run-dir", str(tmp_path)])
     assert p.returncode == 0
-    chunk_lines = [line for line in p.stderr.splitlines() if line.startswith("train_pump: step 0 chunk")]
+    chunk_lines = [line for line in p.stdout.splitlines() if line.startswith("train_pump: step 0 chunk")]
     assert len(chunk_lines) > 1  # lookahead 0: step 0's groups arrive in waves, and training starts on the first
-    assert "train_pump: step 0 closing on" in p.stderr
+    assert "train_pump: step 0 closing on" in p.stdout
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in recs if "reward_mean" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]
     for r in steps:
         assert r["value_epoch_n"] == 8 * 4  # the critic sees every sample once per epoch (S3)
         assert r["ppo_chunks"] >= 1 and "ppo_loss" in r and "value_loss" in r
+        for key in ("reward_std", "frac_reward_zero_std", "completion_len_min", "completion_clip_ratio", "entropy",
+                    "lr", "logprob_gap", "memory_peak_gib", "value_grad_norm", "value_explained_var",
+                    "advantages_mean", "returns_mean", "values_mean"):
+            assert key in r, key
     assert any("eval_accuracy" in r for r in recs)
     assert (tmp_path / "final" / "model.safetensors").exists()
 
@@ -136,7 +140,7 @@ def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_c
              "--log.eval-every", "0", "--log.run-dir", str(tmp_path)], timeout=900)
     assert p.returncode == 0
     chunks = [tuple(map(int, c)) for c in re.findall(r"train_pump: step (\d+) chunk \d+ groups=(\d+) rows=(\d+)",
-                                                     p.stderr)]
+                                                     p.stdout)]
     for step in range(3):
         mine = [(groups, rows) for s, groups, rows in chunks if s == step]
         assert sum(groups for groups, _ in mine) == P
@@ -145,7 +149,7 @@ def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_c
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "reward_mean" in line]
     assert [r["groups_consumed"] for r in recs] == [P] * 3
     for rank in (0, 1):
-        loaded = re.findall(rf"rollout rank {rank}: loaded policy version (\d+)", p.stderr)
+        loaded = re.findall(rf"rollout rank {rank}: loaded policy version (\d+)", p.stdout)
         assert loaded == ["1", "2", "3"], loaded
 
 
@@ -170,10 +174,10 @@ def test_one_process_is_refused_naming_the_launch(tmp_path):
 SMALL = ["--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4", "--log.eval-every", "0"]
 
 
-def ppo(nproc, run_dir, *flags):
+def ppo(nproc, run_dir, *flags, env=None):
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return run([*(launch if nproc > 1 else [sys.executable]), "-m", "minirl.ppo", *SMALL, "--log.run-dir",
-                str(run_dir), *flags])
+                str(run_dir), *flags], env=env)
 
 
 def steps_logged(run_dir):
@@ -188,34 +192,90 @@ def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
              "--checkpoint.every", "1"]
     p = ppo(3, tmp_path, "--steps", "2", *flags)
     assert p.returncode == 0
-    chunks = [line for line in p.stderr.splitlines() if line.startswith("train_pump: step 0 chunk")]
+    chunks = [line for line in p.stdout.splitlines() if line.startswith("train_pump: step 0 chunk")]
     assert chunks and all(int(line.split("groups=")[1].split()[0]) % 2 == 0 for line in chunks)
     ckpts = tmp_path / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000002"]
     assert all((ckpts / d / "COMPLETE").exists() for d in os.listdir(ckpts))
     p = ppo(3, tmp_path, "--steps", "3", *flags, "--checkpoint.resume", "auto")
-    assert p.returncode == 0 and "resumed from" in p.stderr and "step_00000002" in p.stderr
+    assert p.returncode == 0 and "resumed from" in p.stdout and "step_00000002" in p.stdout
     recs = steps_logged(tmp_path)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(r["value_epoch_n"] == 8 * 4 for r in recs)
 
 
+COLOCATED = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8",
+             "--ppo.ppo-epochs", "2", "--ppo.critic-ppo-epochs", "2", "--checkpoint.every", "1", "--steps", "3"]
+
+
+def strip(r):
+    return {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s", "memory"))}
+
+
+def final_weights(d):
+    return load_file(d / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def colocated_straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("colocated_straight")
+    assert ppo(1, d, *COLOCATED).returncode == 0
+    return d
+
+
 @e2e
-def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(tmp_path):
+def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(colocated_straight, tmp_path):
     """One process generates and trains; the engine sleeps through both updates and wakes at the
     refit after critic training. Resuming from the step-2 checkpoint reproduces step 2 and the final policy."""
-    flags = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8",
-             "--ppo.ppo-epochs", "2", "--ppo.critic-ppo-epochs", "2", "--checkpoint.every", "2", "--steps", "3"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert ppo(1, straight, *flags).returncode == 0
-    p = ppo(1, resumed, *flags, "--checkpoint.resume", str(straight / "checkpoints" / "step_00000002"))
+    straight = colocated_straight
+    p = ppo(1, tmp_path, *COLOCATED, "--checkpoint.resume", str(straight / "checkpoints" / "step_00000002"))
     assert p.returncode == 0
-    a, b = steps_logged(straight), steps_logged(resumed)
+    a, b = steps_logged(straight), steps_logged(tmp_path)
     assert [r["step"] for r in a] == [0, 1, 2] and [r["step"] for r in b] == [2]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s"))}  # noqa: E731
     assert strip(a[2]) == strip(b[0])
-    wa, wb = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    wa, wb = final_weights(straight), final_weights(tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@e2e
+@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save"])
+def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocated_straight, tmp_path, point):
+    """kill -9 while step 2's checkpoint is written (a data file cut short; the data complete, no
+    marker): the resume takes step 1's, and the run ends exactly as the uninterrupted one."""
+    import signal
+    p = ppo(1, tmp_path, *COLOCATED, env={"MINIRL_FAULT": f"{point}:2"})
+    assert p.returncode == -signal.SIGKILL
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002.tmp"]
+    p = ppo(1, tmp_path, *COLOCATED, "--checkpoint.resume", "auto")
+    assert p.returncode == 0 and "step_00000001" in p.stdout
+    assert [strip(r) for r in steps_logged(colocated_straight)] == [strip(r) for r in steps_logged(tmp_path)]
+    wa, wb = final_weights(colocated_straight), final_weights(tmp_path)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@e2e
+def test_when_a_train_rank_dies_the_rollout_rank_leaves_within_seconds(tmp_path):
+    """kill -9 of train rank 0 (the controller, the heartbeat's owner) at step 1: torchrun SIGTERMs the
+    other ranks; the rollout rank sees the trainer gone, closes its engine and leaves, the other
+    train rank's collectives fail; everything is down well before torchrun's 30 s SIGKILL."""
+    import subprocess
+    import time
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "minirl.ppo",
+           *SMALL, "--steps", "50", "--log.run-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env={**base, "MINIRL_FAULT": "kill_train_rank0:1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and "reward_mean" in metrics.read_text()):
+        time.sleep(0.2)
+    t_step0 = time.time()
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - t_step0
+    assert proc.returncode != 0 and "rollout rank 0: engine closed" in out
+    assert "closing signal SIGKILL" not in err, err[-3000:]  # torchrun never had to escalate
+    assert took < 20, f"{took:.1f} s from step 0's record to the last rank's exit"
 
 
 @e2e

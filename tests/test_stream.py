@@ -309,7 +309,7 @@ def test_each_critic_epoch_sees_every_row_once_with_frozen_old_values_and_return
     p = pump(models, PumpConfig(critic_ppo_epochs=3, critic_micro_rows=5))
     critic_before = copy.deepcopy(p.value)
     value_forward = p.value.forward
-    p.value.forward = lambda ids: (ids_seen.append(ids.clone()), value_forward(ids))[1]
+    p.value.forward = lambda ids, lengths=None: (ids_seen.append(ids.clone()), value_forward(ids, lengths))[1]
     p.policy_off.onload()
     for c in chunks:
         p.chunk(c)
@@ -344,3 +344,23 @@ def test_each_critic_epoch_sees_every_row_once_with_frozen_old_values_and_return
             assert torch.equal(mask[:n], w_mask) and not mask[n:].any()
             assert torch.allclose(old[:n], w_old, atol=1e-6)    # the critic before any update (S6)
             assert torch.equal(ret[:n], w_ret)                  # returns frozen at chunk time (S10)
+
+
+def test_kl_penalty_to_a_frozen_reference_scored_before_the_policy(models, world):
+    """--ppo.kl-coef: the reference scores each micro-batch before the policy's forward, the k3 KL
+    enters the loss (0 while the policy equals the reference, > 0 after it moved) and is logged."""
+    chunks = [make_chunk(*c) for c in CHUNKS[:2]]
+    p = pump(models, PumpConfig(kl_coef=0.1))
+    p.ref = copy.deepcopy(models[0]).requires_grad_(False)
+    for c in chunks:
+        p.chunk(c)
+    out = p.close()
+    assert p.events.count("reference.forward") == 2
+    assert all(p.events[i + 1] == "policy.forward" for i, e in enumerate(p.events) if e == "reference.forward")
+    assert out["ppo_kl"] == 0.0  # the policy has not moved from the reference yet
+    p.policy_off.onload()
+    later = TrainPump(p.policy, p.value, Accumulator(p.policy, p.policy_acc.optimizer, n_micro=None), p.value_opt,
+                      PumpConfig(kl_coef=0.1), step=4, ref=p.ref, log=lambda _: None, policy_off=p.policy_off,
+                      value_off=p.value_off)
+    later.chunk(chunks[0])
+    assert later.close()["ppo_kl"] > 0

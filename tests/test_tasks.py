@@ -1,8 +1,12 @@
 """tasks.py: deterministic prompt ids and partition (B14), held-out data, rewards that only parse."""
 
 import json
+import re
 
-from minirl.tasks import CountTask, JsonlTask, dp_partition, extract_number, prompt_id
+import pytest
+
+from minirl.config import ConfigError, TaskConfig
+from minirl.tasks import CountTask, JsonlTask, dp_partition, extract_number, make_task, prompt_id
 
 
 def test_prompt_ids_are_deterministic_monotonic_and_shard_scoped():
@@ -68,3 +72,32 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
     assert encode_prompt(tok, "ab#a=", 5) == tok("ab#a=", add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="--rollout.max-prompt-tokens=4"):
         encode_prompt(tok, "ab#a=", 4)
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"prompt": null, "answer": "1"}', '"prompt" must be a string, got a NoneType'),
+    ('{"prompt": "q", "answer": 42}', '"answer" must be a string, got a int'),
+    ('{"prompt": {"text": "q"}, "answer": "1"}', '"prompt" must be a string, got a dict'),
+    ('{"prompt": "q"}', '"answer" must be a string, got missing'),
+    ('[1, 2]', "expected an object"),
+    ('{"prompt": "q", ', "not JSON"),
+])
+def test_a_bad_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, says):
+    """Not turned into the string "None" (which could never earn a reward), nor found at step 0."""
+    f = tmp_path / "train.jsonl"
+    f.write_text('{"prompt": "ab#a=", "answer": "1"}\n' * 3 + line + "\n")
+    with pytest.raises(ConfigError, match=rf"--task\.path: {f}:4: .*{re.escape(says)}"):
+        JsonlTask(str(f), seed=0, eval_prompts=0)
+
+
+def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_path):
+    from minirl.models import load_tokenizer
+    f, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    f.write_text('{"prompt": "ab#a=", "answer": "1"}\n' * 3)
+    held.write_text('{"prompt": "ab#a=", "answer": "1"}\n{"prompt": "' + "ab" * 20 + '#a=", "answer": "1"}\n')
+    cfg = TaskConfig(name="jsonl", path=str(f), eval_path=str(held))
+    with pytest.raises(ConfigError, match=rf"--task\.eval-path: {held}:2: the prompt has more than "
+                                          r"--rollout\.max-prompt-tokens=32 tokens"):
+        make_task(cfg, 0, load_tokenizer(tiny_path), 32)
+    with pytest.raises(ConfigError, match=r"--rollout\.max-prompt-tokens=8: the built-in task's prompts take up to 12"):
+        make_task(TaskConfig(), 0, load_tokenizer(tiny_path), 8)

@@ -1,0 +1,89 @@
+"""`python -m minirl.eval` (or `minirl-eval`): score a model on a task's held-out prompts, without
+training, with the same greedy scorer the training loops use (tasks.held_out_accuracy).
+
+    minirl-eval --model.path runs/demo/final                          # an exported policy (or any HF folder)
+    minirl-eval --checkpoint runs/demo/checkpoints/step_00000400      # a training checkpoint
+    minirl-eval --model.path Qwen/Qwen2.5-0.5B-Instruct --task.name jsonl --task.path data/gsm8k/train.jsonl \\
+        --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 --model.dtype bfloat16
+
+A checkpoint's run config.json (beside its checkpoints folder) gives the model, task and rollout
+flags, as `--config` would; flags given beside it win. Prints one line,
+`eval_accuracy <value> on <n> prompts`, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from minirl.config import ConfigError, ModelConfig, RolloutConfig, TaskConfig
+
+
+@dataclass
+class EvalArgs:
+    """Score a model on the task's held-out prompts, greedily."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    checkpoint: str = ""
+    """A training checkpoint folder (<run dir>/checkpoints/step_N) to score instead of --model.path's
+    weights; its run's config.json gives the defaults."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    seed: int = 0
+    """The task's seed (which prompts are held out for a JSONL task without --task.eval-path)."""
+    config: str = ""
+    """A YAML or JSON file of flags read first, e.g. a run's config.json (keys this command does not
+    have are ignored); flags given beside it win."""
+
+
+def main(argv: list[str] | None = None) -> float:
+    from minirl import dist, launch, models
+    from minirl.rollout import Engine, check_model
+    from minirl.tasks import held_out_accuracy, make_task
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = launch.parse(EvalArgs, _with_run_config(argv), __doc__, lenient=True)
+    if args.checkpoint and not os.path.isdir(args.checkpoint):
+        raise ConfigError(f"--checkpoint={args.checkpoint!r} is not a folder")
+    world = dist.init()
+    with tempfile.TemporaryDirectory(prefix="minirl-eval-") as tmp:
+        if args.checkpoint:  # the engine loads a Hugging Face folder: export the checkpoint's policy first
+            from minirl.export import export
+            path = export(args.checkpoint, os.path.join(tmp, "policy"), models.resolve_path(args.model))
+        else:
+            path = models.resolve_path(args.model)
+        max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+        check_model(path, args.rollout, max_model_len)
+        tok = models.load_tokenizer(path)
+        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens)
+        engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed)
+        try:
+            accuracy = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens)
+        finally:
+            engine.close()
+    print(f"eval_accuracy {accuracy:.4f} on {len(task.eval_set)} prompts", flush=True)
+    return accuracy
+
+
+def _with_run_config(argv: list[str]) -> list[str]:
+    """`--checkpoint X` without `--config`: read X's run config.json first."""
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        return argv
+    for i, a in enumerate(argv):
+        ckpt = a.split("=", 1)[1] if a.startswith("--checkpoint=") else (
+            argv[i + 1] if a == "--checkpoint" and i + 1 < len(argv) else None)
+        if ckpt:
+            run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+            if os.path.isfile(run_config):
+                return ["--config", run_config, *argv]
+    return argv
+
+
+def cli(argv: list[str] | None = None) -> None:
+    from minirl import launch
+    launch.run("minirl.eval", main, argv)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,55 @@
+"""`python -m minirl.export CHECKPOINT OUT` (or `minirl-export`): a training checkpoint's policy as
+a Hugging Face folder, the same as a run's `final/`.
+
+The model it belongs to comes from the run's config.json beside the checkpoints folder
+(`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`), or from `--model-path`. The weights are
+read with the same checks as a resume (checkpoint.load_model: nothing is unpickled blindly, the
+shapes must match), on one process, on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from minirl.config import ConfigError, ModelConfig
+
+
+def run_model_config(ckpt: str) -> ModelConfig:
+    """The model a checkpoint was trained from, by its run's config.json."""
+    from minirl.launch import _fill
+    run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+    if not os.path.isfile(run_config):
+        raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model-path")
+    with open(run_config) as f:
+        return _fill(ModelConfig(), json.load(f).get("model", {}), "model.")
+
+
+def export(ckpt: str, out: str, model_path: str = "") -> str:
+    from minirl import checkpoint, dist, models
+    dist.init()
+    cfg = ModelConfig(path=model_path) if model_path else run_model_config(ckpt)
+    path = models.resolve_path(cfg)
+    policy = models.load_policy(path)
+    checkpoint.load_model(ckpt, "policy", policy)
+    checkpoint.export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="minirl-export", description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="a checkpoint folder: <run dir>/checkpoints/step_N")
+    ap.add_argument("out", help="the Hugging Face folder to write")
+    ap.add_argument("--model-path", default="", help="the model the checkpoint was trained from (default: the run's)")
+    a = ap.parse_args(argv)
+    print(f"exported {a.checkpoint} to {export(a.checkpoint, a.out, a.model_path)}")
+
+
+def cli(argv: list[str] | None = None) -> None:
+    from minirl import launch
+    launch.run("minirl.export", main, argv)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,179 @@
+"""packing.py: padding-free micro-batches give the padded path's logprobs, entropies, values and
+gradients (to 1e-6, on skewed rows of the real tiny model, FSDP2 world of one), only models that keep
+packed rows apart are packed, and a packed token budget counts the tokens the forward computes."""
+
+import copy
+
+import pytest
+import torch
+
+from minirl import dist, models, packing
+from minirl.batch import plan_chunks
+from minirl.packing import Layout
+
+LENGTHS = [3, 41, 7, 2, 26, 13, 40, 5]  # skewed: 137 real tokens; padded 8 x 41 = 328
+
+
+def skewed_batch(vocab_hi=40, lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, vocab_hi, (n,), generator=g)
+        mask[i, 1:n] = 1.0  # every token that has a context
+    return ids, mask, torch.tensor(lengths)
+
+
+def grads(model):
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return [full(p.grad).clone() for p in model.parameters() if p.grad is not None]
+
+
+def close(a: list[torch.Tensor], b: list[torch.Tensor], tol=1e-6) -> float:
+    """Largest difference relative to the largest magnitude; asserts it is within tol."""
+    scale = max(x.abs().max().item() for x in a)
+    diff = max((x - y).abs().max().item() for x, y in zip(a, b))
+    assert len(a) == len(b) and diff <= tol * max(scale, 1.0), (diff, scale)
+    return diff
+
+
+def test_layout_packs_rows_end_to_end_with_restarting_positions():
+    lay = Layout.of(LENGTHS, 41)
+    assert lay.capacity == 41 and lay.lanes == 4 and lay.computed == 164          # vs 328 padded
+    assert sorted(len(r) for r in packing.lanes_of(LENGTHS, 41)) == [1, 1, 3, 3]
+    ids, mask, _ = skewed_batch()
+    packed = lay.pack(ids)
+    assert packed.shape == (4, 41) and int((packed != 0).sum()) == int((ids != 0).sum())
+    row1 = (lay.padded >= 1 * 41) & (lay.padded < 2 * 41)                        # the 41-token row
+    assert lay.positions.view(-1)[lay.packed[row1]].tolist() == list(range(41))
+    # unpack reads each token's output off the position before it: a row's first column is 0
+    back = lay.unpack(torch.nn.functional.pad(packed[:, :-1], (1, 0)).float())
+    shifted = torch.nn.functional.pad(ids[:, :-1], (1, 0)).float() * (mask > 0)
+    assert torch.equal(back, shifted)
+    one = Layout.of(LENGTHS, 41, one_lane=True)
+    assert (one.lanes, one.capacity, one.computed) == (1, 137, 137)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_path, world, fsdp):
+    padded, packed = models.load_policy(tiny_path), models.load_policy(tiny_path)
+    packed.pack_rows = True
+    if fsdp:
+        padded, packed = dist.shard(padded, world, torch.float32), dist.shard(packed, world, torch.float32)
+    ids, mask, lengths = skewed_batch()
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) * mask
+    a, ent_a = models.token_logprobs(padded, ids, entropy=True)
+    b, ent_b = models.token_logprobs(packed, ids, entropy=True, lengths=lengths)
+    assert models.layout(packed, ids, lengths).computed == 164  # it did pack
+    close([a * mask, ent_a * mask], [b * mask, ent_b * mask])
+    assert b[mask == 0].abs().max() == 0 and b.shape == a.shape
+    (a * w).sum().backward()
+    (b * w).sum().backward()
+    close(grads(padded), grads(packed))
+
+
+def test_packed_plain_logprobs_equal_the_padded_path(tiny_path):
+    model = models.load_policy(tiny_path)
+    ids, mask, lengths = skewed_batch()
+    a, ent_a = models.plain_token_logprobs(model, ids, entropy=True)
+    model.pack_rows = True
+    b, ent_b = models.plain_token_logprobs(model, ids, entropy=True, lengths=lengths)
+    close([a * mask, ent_a * mask], [b * mask, ent_b * mask])
+
+
+def test_packed_values_and_gradients_equal_the_padded_path(tiny_path, world):
+    base = models.load_value(tiny_path)
+    with torch.no_grad():  # a head that reads the hidden state (it starts at zero)
+        base.score.weight.copy_(torch.randn(base.score.weight.shape, generator=torch.Generator().manual_seed(2)))
+    padded, packed = copy.deepcopy(base), copy.deepcopy(base)
+    packed.pack_rows = True
+    padded, packed = dist.shard(padded, world, torch.float32), dist.shard(packed, world, torch.float32)
+    ids, mask, lengths = skewed_batch()
+    a, b = padded(ids), packed(ids, lengths)
+    assert b[mask == 0].abs().max() == 0 and a.abs().max() > 0.1
+    close([a * mask], [b * mask])
+    (a * mask).square().sum().backward()
+    (b * mask).square().sum().backward()
+    close(grads(padded), grads(packed))
+
+
+def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, monkeypatch):
+    model = models.load_policy(tiny_path)
+    assert models.packing_error(model) is None
+    assert models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
+    assert not models.sharded(tiny_path, "policy", world, "float32", pack=False).pack_rows
+    forward = type(model).forward
+
+    def ignores_positions(self, *a, position_ids=None, **k):  # an attention that never sees the restarts
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", ignores_positions)
+    assert models.packing_error(model) > 1e-3
+    assert not models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
+    assert "off: this model mixes rows" in models.packing_line(True, False)
+
+
+def test_equal_lengths_run_padded(tiny_path):
+    model = models.load_policy(tiny_path)
+    model.pack_rows = True
+    ids = torch.randint(3, 40, (4, 9))
+    assert models.layout(model, ids, torch.tensor([9, 9, 9, 9])) is None  # nothing to save
+    assert models.layout(model, ids, torch.tensor([9, 2, 2, 9])).computed == 27
+
+
+def test_packed_token_budget_counts_computed_tokens():
+    """X1 under packing: a micro-batch's cost is its packed lanes' tokens, so the same budget takes
+    fewer micro-batches, and every micro-batch fits it."""
+    lengths = [40, 3, 5, 2, 38, 4, 6, 3] * 4
+    padded = plan_chunks(lengths, 1, 0, max_tokens=96)
+    packed = plan_chunks(lengths, 1, 0, max_tokens=96, packed=True)
+    assert len(packed[0]) < len(padded[0])
+    for micro in packed[0]:
+        assert packing.computed_tokens([lengths[r] for r in micro]) <= 96 or len(micro) == 1
+    assert sorted(r for m in packed[0] for r in m) == list(range(len(lengths)))
+
+
+def test_packed_grpo_step_equals_the_padded_step(tiny_path, world):
+    """A whole GRPO update (ahead pass, 2 mini-batches of 2 micro-batches) packed and padded."""
+    from test_grpo_update import grpo_args, train
+    args = grpo_args(mini_batch_per_replica=8, micro_batch_per_replica=4)
+    padded = dist.shard(models.load_policy(tiny_path), world, torch.float32)
+    packed = dist.shard(models.load_policy(tiny_path), world, torch.float32)
+    packed.pack_rows = True
+    *_, calls_a, _, _ = train(tiny_path, args, model=padded, lr=0.5)
+    *_, calls_b, _, _ = train(tiny_path, args, model=packed, lr=0.5)
+    assert max(c["grpo_clipfrac"] for c in calls_a) > 0  # the second mini-batch moved: not a trivial step
+    close([p.full_tensor() for p in padded.parameters()], [p.full_tensor() for p in packed.parameters()])
+
+
+def test_packed_ppo_step_equals_the_padded_step(tiny_path, world):
+    """The streamed PPO pump: frozen old values, policy chunks and critic epochs, packed and padded."""
+    from minirl.accumulator import Accumulator
+    from minirl.stream import PumpConfig, TrainPump
+
+    def chunk(seed, lengths):
+        ids, mask, n = skewed_batch(lengths=lengths, seed=seed)
+        rewards = torch.zeros_like(mask)
+        rewards[torch.arange(len(lengths)), n - 1] = torch.tensor([1.0, 0.0] * (len(lengths) // 2))
+        mask[:, :3] = 0  # three prompt tokens
+        return {"input_ids": ids, "mask": mask, "rewards": rewards, "lengths": n, "groups": len(lengths) // 2}
+
+    value = models.load_value(tiny_path)
+    with torch.no_grad():
+        value.score.weight.copy_(0.1 * torch.randn(value.score.weight.shape, generator=torch.Generator().manual_seed(0)))
+    policy = models.load_policy(tiny_path)
+    out = []
+    for pack in (False, True):
+        p, v = copy.deepcopy(policy), copy.deepcopy(value)
+        p.pack_rows = v.pack_rows = pack
+        acc = Accumulator(p, torch.optim.SGD(p.parameters(), lr=0.5), n_micro=None)
+        pump = TrainPump(p, v, acc, torch.optim.SGD(v.parameters(), lr=0.5),
+                         PumpConfig(critic_ppo_epochs=2, policy_micro_rows=3, critic_micro_rows=5, offload=False), step=0)
+        for seed, lengths in ((1, [4, 30, 6, 12]), (2, [20, 5, 9, 4, 33, 7])):
+            pump.chunk(chunk(seed, lengths))
+        pump.close()
+        out.append([*p.parameters(), *v.parameters()])
+    start = [*policy.parameters(), *value.parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(out[0], start)) > 1e-3  # both models moved
+    close(*out)
