@@ -5,11 +5,14 @@ is what fixes the OOM), through the real update path (grpo.update, FSDP2 world o
     python bench/micro_memory.py --n-micro 1 --budget-mib 300   # fails (exit 3) if the step needs more
     python bench/micro_memory.py --vocab 151936 --rows 8 --completion 256 --n-micro 1 --logprobs plain chunked
         # a real vocabulary: the full-vocabulary log-softmax (before) vs the chunked logprob head (after)
+    python bench/micro_memory.py --n-micro 1 --packing off on
+        # padded (before) vs padding-free (--model.packing): the rows' lengths are 1024, 512, 341, 256
 
 --budget-mib caps the address space this process may ADD after the model and batch are built
 (RLIMIT_AS = current size + budget), so a step that needs more fails with an out-of-memory error.
-Prints one JSON line per configuration: {"n_micro", "logprobs", "peak_mib" (RSS growth over the step), "step_s",
-"floor_s" (6N FLOPs per token over this process's measured matmul rate), "grad_diff_vs_first"}.
+Prints one JSON line per configuration: {"n_micro", "logprobs", "packing", "peak_mib" (RSS growth over the step),
+"step_s", "computed_tokens" (what the forwards computed, pads included), "floor_s" (6N FLOPs per real token over
+this process's measured matmul rate), "grad_diff_vs_first"}.
 """
 
 import argparse
@@ -62,7 +65,7 @@ def policy_model(path: str, vocab: int | None):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logprobs="chunked"):
+def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logprobs="chunked", packing="off"):
     world = dist.init()
     args = GRPOArgs()
     args.rl.group_size, args.rl.batch_per_replica = 2, rows
@@ -72,6 +75,10 @@ def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logpr
         from minirl import grpo, models
         grpo.score = models.plain_token_logprobs
     policy = dist.shard(policy_model(path, vocab), world, torch.float32)
+    policy.pack_rows = packing == "on"
+    if policy.pack_rows:
+        from minirl.models import packing_error
+        assert packing_error(policy) is None, "this model mixes packed rows"
     grads = {}
 
     class Recording(torch.optim.SGD):
@@ -86,26 +93,28 @@ def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logpr
     if budget_mib is not None:
         resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + budget_mib * 2**20, resource.RLIM_INFINITY))
     t0 = time.perf_counter()
-    update(policy, None, acc, store, args, Probe(policy), ahead=False)
-    tokens = int(b["input_ids"].numel())
+    calls, _ = update(policy, None, acc, store, args, Probe(policy), ahead=False)
+    tokens = int(b["lengths"].sum())
     flops = 6 * sum(p.numel() for p in policy.parameters()) * tokens
     return rss_mib() - before, grads, {"step_s": time.perf_counter() - t0, "floor_s": flops / matmul_flops_per_s(
-        threads=torch.get_num_threads())}
+        threads=torch.get_num_threads()), "computed_tokens": sum(c["grpo_computed_tokens"] for c in calls)}
 
 
 def worker(a) -> None:
     """One configuration in this process (a peak RSS is a per-process high-water mark)."""
     try:
         peak, grads, timing = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib,
-                                       a.vocab, a.logprobs[0])
+                                       a.vocab, a.logprobs[0], a.packing[0])
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
             raise
-        print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "oom": True, "error": str(e)[:200]}),
+        print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "packing": a.packing[0], "oom": True,
+                          "error": str(e)[:200]}),
               flush=True)
         sys.exit(3)
     torch.save(grads, a.grads)
-    print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "peak_mib": round(peak, 1), **timing}),
+    print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "packing": a.packing[0],
+                      "peak_mib": round(peak, 1), **timing}),
           flush=True)
 
 
@@ -118,6 +127,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=None, help="the tiny model's shape at this vocabulary (e.g. 151936)")
     ap.add_argument("--logprobs", nargs="+", default=["chunked"], choices=["plain", "chunked"],
                     help="plain: the full-vocabulary log-softmax (before the chunked head); chunked: minirl's")
+    ap.add_argument("--packing", nargs="+", default=["off"], choices=["off", "on"],
+                    help="on: rows packed end to end (--model.packing); off: padded to the longest row")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--grads", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -130,9 +141,9 @@ def main():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     with tempfile.TemporaryDirectory() as tmp:
-        for n, lp in [(n, lp) for lp in a.logprobs for n in a.n_micro]:
-            gfile = os.path.join(tmp, f"g{n}{lp}.pt")
-            cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile, "--logprobs", lp,
+        for n, lp, pk in [(n, lp, pk) for pk in a.packing for lp in a.logprobs for n in a.n_micro]:
+            gfile = os.path.join(tmp, f"g{n}{lp}{pk}.pt")
+            cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile, "--logprobs", lp, "--packing", pk,
                    "--rows", str(a.rows), "--completion", str(a.completion)]
             if a.budget_mib is not None:
                 cmd += ["--budget-mib", str(a.budget_mib)]

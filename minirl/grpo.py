@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
         ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if rl.kl_coef else None
     log.info(models.packing_line(args.model.packing, policy.pack_rows))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=rl.lr, weight_decay=rl.weight_decay)
+    optimizer = models.adamw(policy, rl.lr, rl.weight_decay)
     total_steps = args.steps * args.n_mini * rl.mu_iterations  # optimizer steps of the whole run
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm,
                       schedule=lr_schedule(rl.lr, rl.lr_warmup_steps, total_steps, rl.lr_schedule, rl.min_lr_ratio))

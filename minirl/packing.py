@@ -38,21 +38,23 @@ class Layout:
     def of(lengths: list[int], T: int, one_lane: bool = False) -> "Layout":
         capacity = sum(lengths) if one_lane else max(lengths, default=0)
         lanes = lanes_of(lengths, capacity)
-        positions = torch.zeros(len(lanes), capacity, dtype=torch.long)
-        packed, padded, first = [], [], []
-        for i, rows in enumerate(lanes):
-            at = 0
+        positions: list[int] = []
+        packed: list[int] = []
+        padded: list[int] = []
+        first: list[bool] = []
+        for i, rows in enumerate(lanes):  # plain lists, one tensor each at the end: ~0.2 ms for 64 rows
+            at = i * capacity
             for r in rows:
                 n = lengths[r]
-                positions[i, at:at + n] = torch.arange(n)
-                packed.append(torch.arange(i * capacity + at, i * capacity + at + n))
-                padded.append(torch.arange(r * T, r * T + n))
-                first.append(torch.arange(n) > 0)
+                positions += range(n)
+                packed += range(at, at + n)
+                padded += range(r * T, r * T + n)
+                first += [False] + [True] * (n - 1) if n else []
                 at += n
-            positions[i, at:] = torch.arange(capacity - at)  # the tail pad: a segment of its own
-        cat = lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
-        return Layout(len(lanes), capacity, positions, cat(packed, torch.long), cat(padded, torch.long),
-                      cat(first, torch.bool), (len(lengths), T))
+            positions += range((i + 1) * capacity - at)  # the tail pad: a segment of its own
+        long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return Layout(len(lanes), capacity, long(positions).view(len(lanes), capacity), long(packed), long(padded),
+                      torch.tensor(first, dtype=torch.bool), (len(lengths), T))
 
     @property
     def computed(self) -> int:

@@ -83,8 +83,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         value = models.sharded(path, "value", world, args.model.dtype, args.model.packing)
         ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if p.kl_coef else None
     log.info(models.packing_line(args.model.packing, policy.pack_rows))
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=p.lr)
-    value_opt = torch.optim.AdamW(value.parameters(), lr=p.value_lr)
+    policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
     parts = {"policy": (policy, policy_opt), "value": (value, value_opt)}
     offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)  # S7
     tok = models.load_tokenizer(path)

@@ -2,9 +2,12 @@
 
 Contract:
 - `Engine.generate(prompts, prompt_ids, group_size, ...)` samples `group_size` completions per
-  prompt, one request each, with a per-request seed derived from (run seed, prompt id, sample
-  index), so a sample depends on its prompt's identity and not on its place in the batch.
-  It returns token ids, the engine's logprob of every sampled token, and finish reasons.
+  prompt: one request with n = group_size, whose seed is derived from (run seed, prompt id);
+  vLLM seeds sample j with seed + j (v1/engine/parallel_sampling.py), so a sample depends on its
+  prompt's identity and its index, not on its place in the batch. It returns token ids, the
+  engine's logprob of every sampled token, and finish reasons. Nothing is detokenized in the
+  engine (minirl decodes the token ids itself); on a small model vLLM's per-request Python work
+  (parameter copies, detokenizing every logprob's token) is a third of the generate call.
 - `Engine(..., device)` builds the engine on the card `dist.device_map` gave this rank, with
   vLLM's external-launcher executor, which reads its card from LOCAL_RANK: a rank of the
   colocated world passes its own; a disaggregated rollout rank gets a private world of one whose
@@ -100,10 +103,10 @@ def _engine_output(log_file: str | None):
         vllm_log.handlers, vllm_log.propagate = [logging.StreamHandler(sink)], False
 
 
-def request_seed(seed: int, prompt_id: int, sample: int) -> int:
-    """A 31-bit seed per (run, prompt, sample): identical seeds across requests give identical samples."""
-    h = hashlib.blake2b(f"{seed}:{prompt_id}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
+def request_seed(seed: int, prompt_id: int) -> int:
+    """A 30-bit seed per (run, prompt); sample j of the prompt gets this + j (vLLM's parallel sampling)."""
+    h = hashlib.blake2b(f"{seed}:{prompt_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x3FFFFFFF
 
 
 @dataclass
@@ -171,21 +174,18 @@ class Engine:
         if self.state != "awake" or self._stale:
             raise RuntimeError(f"rollout: generate() while the engine is {self.state}"
                                f"{' with stale weights' if self._stale else ''} (hand-off order bug)")
-        reqs, params, pids = [], [], []
-        for toks, pid in zip(prompts, prompt_ids):
-            for j in range(group_size):
-                reqs.append(TokensPrompt(prompt_token_ids=list(toks)))
-                params.append(SamplingParams(
-                    max_tokens=max_tokens or self.cfg.max_tokens, logprobs=0,
-                    min_tokens=0 if greedy else self.cfg.min_tokens,
-                    temperature=0.0 if greedy else self.cfg.temperature,
-                    seed=None if greedy else request_seed(self.seed, pid, j)))
-                pids.append(pid)
+        reqs = [TokensPrompt(prompt_token_ids=list(toks)) for toks in prompts]
+        params = [SamplingParams(n=group_size, max_tokens=max_tokens or self.cfg.max_tokens, logprobs=0,
+                                 min_tokens=0 if greedy else self.cfg.min_tokens,
+                                 temperature=0.0 if greedy else self.cfg.temperature,
+                                 seed=None if greedy else request_seed(self.seed, pid),
+                                 detokenize=False, skip_clone=True)  # fresh objects: a shallow copy is safe
+                  for pid in prompt_ids]
         outs = self.llm.generate(reqs, params, use_tqdm=False)
-        comp = [o.outputs[0] for o in outs]
+        comp = [c for o in outs for c in o.outputs]  # sample j of prompt i at row i*G + j (outputs by index)
         return Samples(
-            prompt_ids=pids,
-            prompt_tokens=[list(o.prompt_token_ids) for o in outs],
+            prompt_ids=[pid for pid in prompt_ids for _ in range(group_size)],
+            prompt_tokens=[list(o.prompt_token_ids) for o in outs for _ in range(group_size)],
             completion_tokens=[list(c.token_ids) for c in comp],
             logprobs=[[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in comp],
             finish_reasons=[c.finish_reason for c in comp])
