@@ -111,7 +111,7 @@ def request_seed(seed: int, prompt_id: int) -> int:
 
 @dataclass
 class Samples:
-    """One row per request, in request order: prompt i's samples are rows i*G .. i*G+G-1."""
+    """One row per sample, in prompt order: prompt i's samples are rows i*G .. i*G+G-1."""
 
     prompt_ids: list[int]                # (B,) prompt id of each row
     prompt_tokens: list[list[int]]       # (B, prompt len)
