@@ -309,7 +309,8 @@ def layout(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | No
 
 def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
     """AdamW over the model's float32 master weights, fused: one kernel for every parameter on CPU
-    and CUDA, where the default loops over tensors (about 5x the time at the demo's model size)."""
+    and CUDA, where the default loops over tensors (about 5x the time at the demo's model size).
+    FSDP2's DTensor parameters take it as a pointwise op (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
