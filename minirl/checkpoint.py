@@ -141,10 +141,8 @@ def load(path: str, parts: dict) -> dict:
         if state["world_size"] != torch.distributed.get_world_size():
             raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} rank(s); "
                                   f"this run has {torch.distributed.get_world_size()}")
-        reader = _SafeReader(path)
-        _check_shapes(path, reader.read_metadata(), parts)
         sd = _state(parts)
-        dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
+        _safe_load(path, sd, parts)
         for name, (model, optimizer) in parts.items():
             set_state_dict(model, optimizer, model_state_dict=sd[name], optim_state_dict=sd[name + ".optim"])
         torch.set_rng_state(load_file(os.path.join(path, f"rng_rank{rank}.safetensors"))["torch"])
@@ -220,6 +218,14 @@ class _SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def _safe_load(path: str, sd: dict, parts: dict) -> None:
+    """DCP's load of `sd` from `path`, with the metadata and non-tensor items read safely and every
+    parameter's shape checked against `parts` first."""
+    reader = _SafeReader(path)
+    _check_shapes(path, reader.read_metadata(), parts)
+    dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
+
+
 def _check_shapes(path: str, metadata, parts: dict) -> None:
     """Every parameter is in the checkpoint with the shape this model has, or say which is not."""
     saved = metadata.state_dict_metadata
@@ -241,10 +247,8 @@ def load_model(path: str, part: str, model: torch.nn.Module) -> None:
     `minirl.export` and `minirl.eval` need from a training checkpoint."""
     if not _complete(path):
         raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it is partial and will not be loaded")
-    reader = _SafeReader(path)
-    _check_shapes(path, reader.read_metadata(), {part: (model, None)})
     sd = {part: get_model_state_dict(model)}
-    dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
+    _safe_load(path, sd, {part: (model, None)})
     set_model_state_dict(model, sd[part])
 
 

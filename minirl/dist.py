@@ -375,7 +375,7 @@ def quietly(fn) -> None:
     try:
         fn()
     except Exception as e:
-        print(f"minirl: clean-up after an error also failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"minirl: cleanup after an error also failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def sigterm_flag():

@@ -68,13 +68,14 @@ def main(argv: list[str] | None = None) -> float:
 
 def _with_run_config(argv: list[str]) -> list[str]:
     """`--checkpoint X` without `--config`: read X's run config.json first."""
+    from minirl.export import run_config_path
     if any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
     for i, a in enumerate(argv):
         ckpt = a.split("=", 1)[1] if a.startswith("--checkpoint=") else (
             argv[i + 1] if a == "--checkpoint" and i + 1 < len(argv) else None)
         if ckpt:
-            run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+            run_config = run_config_path(ckpt)
             if os.path.isfile(run_config):
                 return ["--config", run_config, *argv]
     return argv

@@ -16,10 +16,15 @@ import os
 from minirl.config import ConfigError, ModelConfig
 
 
+def run_config_path(ckpt: str) -> str:
+    """<run dir>/checkpoints/step_N -> <run dir>/config.json (which may not exist)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+
+
 def run_model_config(ckpt: str) -> ModelConfig:
     """The model a checkpoint was trained from, by its run's config.json."""
     from minirl.launch import _fill
-    run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+    run_config = run_config_path(ckpt)
     if not os.path.isfile(run_config):
         raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model-path")
     with open(run_config) as f:

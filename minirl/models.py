@@ -301,10 +301,9 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
 def layout(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layout | None:
     """The packed layout of this batch, or None to run it padded: the model does not pack, no
     lengths were given, or packing would save nothing (every row as long as the longest)."""
-    if lengths is None or not getattr(model, "pack_rows", False):
+    if computed_tokens(model, input_ids, lengths) >= input_ids.numel():
         return None
-    lay = Layout.of(lengths.tolist(), input_ids.shape[1], packing.one_lane(model))
-    return lay.to(input_ids.device) if lay.computed < input_ids.numel() else None
+    return Layout.of(lengths.tolist(), input_ids.shape[1], packing.one_lane(model)).to(input_ids.device)
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
@@ -315,12 +314,13 @@ def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.opti
 
 
 def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> int:
-    """Tokens a forward of this batch computes: the packed lanes', or rows x columns when padded."""
+    """Tokens a forward of this batch computes: the packed lanes' (what `Layout.computed` will be),
+    or rows x columns when it runs padded; `layout` packs exactly when the first is smaller."""
     if lengths is None or not getattr(model, "pack_rows", False):
         return input_ids.numel()
     rows = lengths.tolist()
     packed = sum(rows) if packing.one_lane(model) else packing.computed_tokens(rows)
-    return min(packed, input_ids.numel())  # layout(): no gain -> padded
+    return min(packed, input_ids.numel())
 
 
 def _before(x: torch.Tensor, lay: Layout | None) -> torch.Tensor:

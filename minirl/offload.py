@@ -20,10 +20,11 @@ Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
+
+from minirl import dist
 
 
 class TrainerOffload:
@@ -166,10 +167,7 @@ class HandOff:
         is the one the caller re-raises (B24)."""
         if not self.enabled:
             return
-        try:
-            self._do("rollout.sleep", self.engine.sleep, self.level)
-        except Exception as e:  # reported, not raised
-            print(f"minirl: cleanup after an error also failed: {type(e).__name__}: {e}", file=sys.stderr)
+        dist.quietly(lambda: self._do("rollout.sleep", self.engine.sleep, self.level))  # reported, not raised
 
 
 class Profile:
