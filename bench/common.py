@@ -21,11 +21,11 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict | None = None, timeout: int = 1800, cwd: str = ROOT) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     base.setdefault("MINIRL_CACHE", os.path.join(ROOT, ".cache", "minirl"))
     base.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})})
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})})
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-4000:])
         raise SystemExit(f"bench: {' '.join(cmd[:6])} ... failed with exit code {p.returncode}")

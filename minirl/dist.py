@@ -325,7 +325,10 @@ def full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None):
     every rank of the group must iterate to the end). Peak memory is one full parameter.
     `dtype`: cast for the receiver (the engine runs in `--model.dtype`, the masters are float32)."""
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if not hasattr(p, "full_tensor"):
+            full = p
+        else:  # a mesh of one holds the whole tensor: no gather to run
+            full = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
         yield name, full.detach() if dtype is None else full.detach().to(dtype)
 
 
