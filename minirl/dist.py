@@ -322,14 +322,16 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """Yield (name, full tensor) for every parameter, one all-gather at a time (a collective:
-    every rank of the group must iterate to the end). Peak memory is one full parameter.
+    every rank of the group must iterate to the end). Peak memory is one full parameter. Each
+    tensor is the receiver's own: a loader that writes into it never touches the trainer's masters.
     `dtype`: cast for the receiver (the engine runs in `--model.dtype`, the masters are float32)."""
     for name, p in model.named_parameters():
-        if not hasattr(p, "full_tensor"):
-            full = p
-        else:  # a mesh of one holds the whole tensor: no gather to run
-            full = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
-        yield name, full.detach() if dtype is None else full.detach().to(dtype)
+        if hasattr(p, "full_tensor") and p.device_mesh.size() > 1:
+            full = p.full_tensor()  # gathered into a new tensor
+            yield name, full.detach() if dtype is None else full.detach().to(dtype)
+        else:  # already whole: a plain module, or a mesh of one (whose full_tensor() is the master itself)
+            whole = p.to_local() if hasattr(p, "to_local") else p
+            yield name, whole.detach().to(dtype or p.dtype, copy=True)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -115,13 +115,18 @@ def test_sharded_models_keep_float32_masters_and_compute_in_bf16(tiny_path, worl
         assert {local(v).dtype for s in opt.state.values() for v in s.values() if v.numel() > 1} == {torch.float32}
 
 
-def test_full_parameters_in_a_world_of_one_are_the_checkpoints_tensors(tiny_path, world):
-    """A mesh of one skips the gather: every name and value the engine is sent equals the checkpoint's."""
+def test_full_parameters_in_a_world_of_one_are_private_copies_of_the_checkpoints_tensors(tiny_path, world):
+    """A mesh of one skips the gather: every name and value the engine is sent equals the checkpoint's,
+    in plain tensors that a receiver may write into without touching the trainer's masters."""
     from safetensors.torch import load_file
 
     from minirl import dist, models
     saved = load_file(f"{tiny_path}/model.safetensors")
-    sent = dict(dist.full_parameters(models.sharded(tiny_path, "policy", world, "float32")))
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    sent = dict(dist.full_parameters(policy))
     assert sent.keys() == saved.keys()  # tied head: the engine gets it from the embedding
     assert all(torch.equal(sent[k], saved[k]) for k in saved)
     assert not any(hasattr(t, "to_local") for t in sent.values())  # plain tensors, not DTensors
+    for t in sent.values():
+        t.add_(1.0)
+    assert all(torch.equal(p.to_local(), saved[k]) for k, p in policy.named_parameters())
