@@ -52,7 +52,8 @@ def main() -> None:
                         env={"PYTHONPATH": src})
                     recs = metrics(d)[1:]  # the first step warms up
                     res[side]["step_s"] += [r["time/step"] for r in recs]
-                    res[side]["generate_s"] += [r["time/generate"] for r in recs]
+                    # None where an older commit did not log it (median skips None)
+                    res[side]["generate_s"] += [r.get("time/generate") for r in recs]
                     res[side]["pairs"].append(median([r["time/step"] for r in recs]))
                 print(f"  repeat {rep}: base {res['base']['pairs'][-1]:.3g}, "
                       f"head {res['head']['pairs'][-1]:.3g} s/step", flush=True)
