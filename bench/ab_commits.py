@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, median, metrics, run, table, write  # noqa: E402
-from vs_trl import G, PROMPTS, SETUPS, model_flags  # noqa: E402
+from vs_trl import SETUPS, minirl_flags  # noqa: E402
 
 
 def main() -> None:
@@ -35,10 +35,7 @@ def main() -> None:
     setup = SETUPS[a.setup]
     base = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    flags = [*model_flags(setup["shape"]), "--steps", str(a.steps or setup["steps"]), "--rl.group-size", str(G),
-             "--rl.batch-per-replica", str(PROMPTS * G), "--rl.lr", str(setup["lr"]),
-             "--rollout.max-tokens", str(setup["completion"]), "--log.eval-every", "0",
-             *(["--rollout.min-tokens", str(setup["completion"])] if setup["full_length"] else [])]
+    flags = minirl_flags(setup, a.steps or setup["steps"], setup["lr"], setup["completion"])
     res = {side: {"step_s": [], "generate_s": [], "pairs": []} for side in ("base", "head")}
     with tempfile.TemporaryDirectory() as tmp:
         tree = os.path.join(tmp, "base")

@@ -68,6 +68,14 @@ def model_flags(shape: dict | None) -> list[str]:
                                                    for x in (f"--model.tiny.{k.replace('_', '-')}", str(v))]]
 
 
+def minirl_flags(setup: dict, steps: int, lr: float, completion: int, micro: int = 0) -> list[str]:
+    """`python -m minirl.grpo`'s flags for one of SETUPS (the run dir comes after them)."""
+    return [*model_flags(setup["shape"]), "--steps", str(steps), "--rl.batch-per-replica", str(PROMPTS * G),
+            "--rl.group-size", str(G), "--rl.lr", str(lr), "--rollout.max-tokens", str(completion),
+            *(["--rl.micro-batch-per-replica", str(micro)] if micro else []),
+            *(["--rollout.min-tokens", str(completion)] if setup["full_length"] else []), "--log.eval-every", "0"]
+
+
 def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, defaults: bool, use_vllm: bool,
                out: str) -> None:
     """One TRL run in this process: per-step wall times, completion tokens and computed tokens, to `out`."""
@@ -184,17 +192,13 @@ def main() -> None:
         raise SystemExit("bench/vs_trl.py needs TRL: pip install -e '.[bench]'")
     res: dict[str, dict[str, list]] = {arm(f, m): {"step_s": [], "generate_s": [], "tokens": [], "computed": []}
                                        for m in a.micro_batch for f in ("minirl", "trl")}
-    full = ["--rollout.min-tokens", str(a.completion)] if setup["full_length"] else []
     rates = []  # the matmul rate after every run: the floor uses the best (the machine is shared)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.repeats):
             for m in a.micro_batch:
                 d = os.path.join(tmp, f"minirl{rep}_{m}")
-                micro = ["--rl.micro-batch-per-replica", str(m)] if m else []
-                run([sys.executable, "-m", "minirl.grpo", *model_flags(setup["shape"]), "--steps", str(a.steps),
-                     "--rl.batch-per-replica", str(PROMPTS * G), "--rl.group-size", str(G), "--rl.lr", str(a.lr),
-                     *micro, "--rollout.max-tokens", str(a.completion), *full,
-                     "--log.eval-every", "0", "--log.run-dir", d])
+                run([sys.executable, "-m", "minirl.grpo", *minirl_flags(setup, a.steps, a.lr, a.completion, m),
+                     "--log.run-dir", d])
                 add_minirl(res[arm("minirl", m)], d)
                 rates.append(matmul_flops_per_s())
                 out = os.path.join(tmp, f"trl{rep}_{m}.json")
