@@ -192,6 +192,9 @@ class Launch:
     nothing is loaded, built or launched. Shows whether a recipe fits before paying for a node."""
     dry_run_world_size: int = 0
     """--dry-run: the launch's number of ranks (0 = $WORLD_SIZE, else 1)."""
+    dry_run_nnodes: int = 1
+    """--dry-run: the launch's number of nodes (torchrun --nnodes); ranks are numbered node by node, and a
+    rank's card is its index on its node."""
     dry_run_device: Optional[Literal["cpu", "cuda"]] = None
     """--dry-run: the launch's device type (default: this machine's)."""
     dry_run_card_gib: float = 80.0
@@ -309,6 +312,8 @@ def _check_run(args) -> None:
     (a file, not writable, or holding a run that is neither resumed nor overwritten), the dry run's world."""
     if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
         raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
+    if args.dry_run_nnodes < 1:
+        raise ConfigError(f"--dry-run-nnodes={args.dry_run_nnodes} must be >= 1")
     _at_least("--log.every", args.log.every, 1)
     for flag, on, module, extra in (("--log.tensorboard", args.log.tensorboard, "tensorboard", "tensorboard"),
                                     ("--log.wandb-project", args.log.wandb_project, "wandb", "wandb")):

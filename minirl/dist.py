@@ -129,6 +129,7 @@ def init() -> World:
         # (2 x 2 threads on 2 cores was ~18x slower than 2 x 1).
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    _here.update(rank=rank, store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if world > 1 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(devices.trainer.type), rank=rank, world_size=world,
                                 device_id=devices.trainer if devices.trainer.type == "cuda" else None)
@@ -178,10 +179,14 @@ def private_world(device: torch.device, port: int | None = None):
     `gpu_worker.Worker.init_device`: `cuda:{local_rank}`), where the single-process executor
     would always take card 0.
     """
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_USE_AGENT_STORE")
     saved = {k: os.environ.get(k) for k in keys}
+    # The world of one is this host's own: its port was found free HERE, so its address is this host's
+    # loopback, never MASTER_ADDR (on node 1 of two, that is node 0, where nothing listens on the port).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), LOCAL_WORLD_SIZE="1",
-                      MASTER_PORT=str(port or free_port()), TORCHELASTIC_USE_AGENT_STORE="False")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()),
+                      TORCHELASTIC_USE_AGENT_STORE="False")
     try:
         yield
     finally:
@@ -221,10 +226,12 @@ class Roles:
 def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[Roles, World | None, dist.TCPStore]:
     """Disaggregated start-up (call INSTEAD of `init()` under torchrun).
 
-    Train ranks [R, N) form the default process group among themselves on MASTER_PORT + 2;
-    rollout ranks form none (each later builds its engine in a `private_world`). Every rank
-    joins one TCPStore on MASTER_PORT + `store_port_offset`, hosted by global rank 0, through
-    which the two sides exchange groups and weights. Returns (roles, train World or None, store).
+    Every rank joins one TCPStore at MASTER_ADDR, port MASTER_PORT + `store_port_offset`, hosted
+    by global rank 0: torchrun puts global rank 0 on the host MASTER_ADDR names, on any number of
+    nodes, so the host every rank dials is the one that serves. The two sides exchange groups and
+    announcements through it. Train ranks [R, N) form the default process group among themselves
+    on that same store (under the prefix `train/`), wherever train rank 0 runs; rollout ranks form
+    none (each later builds its engine in a `private_world`). Returns (roles, train World or None, store).
     """
     g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -235,17 +242,55 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", g_world))))
     addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
+    _here.update(rank=g_rank, store=f"{addr}:{base + store_port_offset}")
     store = dist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
                           timeout=datetime.timedelta(minutes=30))
     if not roles.trains:
         return roles, None, store
     t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks
     device = devices.trainer
-    train_store = dist.TCPStore(addr, base + 2, t_world, is_master=t_rank == 0, use_libuv=True)
-    dist.init_process_group(backend_for(device.type), store=train_store, rank=t_rank, world_size=t_world,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend_for(device.type), store=dist.PrefixStore("train/", store), rank=t_rank,
+                            world_size=t_world, device_id=device if device.type == "cuda" else None)
     os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
     return roles, World(t_rank, t_world, local_rank, device), store
+
+
+# ---- peers on other hosts: a lost one is named, never waited on ----
+
+class PeerLost(RuntimeError):
+    """A peer rank, its node, or the run's store stopped answering: `launch.run` prints this as one
+    line (which rank, what it lost, at which address) and exits 4."""
+
+
+_here = {"rank": None, "store": None}  # global rank and the run's store address, set at start-up
+
+
+def host_address(peer: str) -> str:
+    """This host's address on the route to `peer` (a UDP connect sends nothing): what a peer on
+    another node knows this host by, unlike `gethostname()`, which may resolve to loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+def lost_peer(e: BaseException) -> PeerLost | None:
+    """`e` as a PeerLost when it is a peer or the store going away (torch's DistNetworkError on a store
+    operation, gloo's "Connection closed/reset by peer [addr]:port" in a collective), else None."""
+    if isinstance(e, PeerLost):
+        return e
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    network = isinstance(e, dist.DistNetworkError) or any(
+        w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    if not network:
+        return None
+    who = f"global rank {_here['rank']}" if _here["rank"] is not None else "this rank"
+    what = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source line and its advice
+    store = f"; the run's store is at {_here['store']} (global rank 0, on the node MASTER_ADDR names)" \
+        if _here["store"] else ""
+    return PeerLost(f"{who} lost a peer: {what}{store}")
 
 
 def store_client(store: dist.TCPStore) -> dist.TCPStore:

@@ -6,7 +6,8 @@
   continues the same recipe for longer. A key the dataclass does not have is an error naming it.
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
   through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 3 with one
-  line when a run stopped because it could no longer learn; and the process group is torn down
+  line when a run stopped because it could no longer learn; 4 with one line when a rank lost a peer
+  (another rank, its node, or the run's store; `dist.lost_peer`); and the process group is torn down
   before the process leaves (without the interpreter's teardown, see `run`).
 """
 
@@ -91,6 +92,12 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         print(f"{name}: stopped: {e}", file=sys.stderr)
         code = 3
+    except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
+        lost = dist.lost_peer(e)
+        if lost is None:
+            raise
+        print(f"{name}: error: {lost}", file=sys.stderr)
+        code = 4
     finally:
         dist.shutdown()
     # Everything minirl writes is closed by now (metrics, checkpoints, the engine). Leave without the

@@ -77,6 +77,7 @@ class StoreGroups:
         if self.world.is_main:  # the refit group's rendezvous waits for the rollout ranks' engines
             self.buckets = refit.manifest(policy, self.dtype)
             self.store.set("weights/manifest", json.dumps(self.buckets))
+            self.store.set("trainer/addr", dist.host_address(self.store.host))  # named by a rank that loses it
             threading.Thread(target=_heartbeat, args=(dist.store_client(self.store),), daemon=True).start()
             self.group = dist.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
             self.store.set("start", str(step))
@@ -153,7 +154,7 @@ class StoreGroups:
 
 def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_len: int) -> None:
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
-    term = _Term(store)
+    term = _Term(store, roles.global_rank)
     task = make_task(args.task, args.seed)
     tok = models.load_tokenizer(path)
     engine = Engine(path, args.rollout, max_model_len, roles.devices.engine, dtype=args.model.dtype, seed=args.seed,
@@ -195,33 +196,51 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
 
 
 HEARTBEAT_S = 1.0
+PEER_TIMEOUT_S = 30.0  # a trainer unheard of for this long is gone: its process, or its whole node
 
 
 def _heartbeat(client) -> None:
-    """Train rank 0 says it is alive every second, on a store client of its own (a daemon thread)."""
+    """Train rank 0 says it is alive every second, on a store client of its own (a daemon thread).
+    It counts beats rather than sending its clock: the hosts' clocks need not agree."""
+    beat = 0
     while True:
-        client.set("trainer/alive", str(time.time()))
+        beat += 1
+        client.set("trainer/alive", str(beat))
         time.sleep(HEARTBEAT_S)
 
 
 class _Term:
-    """SIGTERM on a rollout rank. A scheduler's SIGTERM reaches every rank at once: the trainer
-    finishes its step (it needs this rank's groups), saves and sets `stop`, so this rank serves on
-    while the trainer lives. When a train rank dies, torchrun SIGTERMs everyone: the trainer sets
-    `stop` as it fails, or (train rank 0 gone) its heartbeat stops, and this rank leaves within
-    seconds, closing its engine, instead of waiting for torchrun's SIGKILL."""
+    """When a rollout rank stops serving. A scheduler's SIGTERM reaches every rank at once: the
+    trainer finishes its step (it needs this rank's groups), saves and sets `stop`, so this rank
+    serves on while the trainer lives. When a train rank dies, torchrun SIGTERMs the ranks of its
+    node: the trainer sets `stop` as it fails, or (train rank 0 gone) its heartbeat stops, and this
+    rank leaves within seconds, closing its engine, instead of waiting for torchrun's SIGKILL. A
+    trainer on another node that dies with its node sends no signal here: after PEER_TIMEOUT_S
+    without a beat this rank raises PeerLost, naming the trainer's address (exit 4)."""
 
-    def __init__(self, store):
-        self.store, self.at = store, None
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "at", self.at or time.time()))
+    def __init__(self, store, rank: int):
+        self.store, self.rank = store, rank
+        self.at = None                       # when SIGTERM came (monotonic)
+        self.beat, self.heard = None, None   # the last beat seen, and when it changed (this host's clock)
+        self.next_look = 0.0
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "at", self.at or time.monotonic()))
 
     def trainer_gone(self) -> bool:
         if self.store.check(["stop"]):
             return True
-        if self.at is None:
-            return False
-        beat = float(self.store.get("trainer/alive")) if self.store.check(["trainer/alive"]) else self.at
-        return time.time() - beat > 5 * HEARTBEAT_S
+        now = time.monotonic()
+        if now >= self.next_look and self.store.check(["trainer/alive"]):
+            self.next_look = now + HEARTBEAT_S
+            beat = self.store.get("trainer/alive")
+            if beat != self.beat:
+                self.beat, self.heard = beat, now
+        if self.at is not None:  # SIGTERM: the trainer is gone once it has been silent for a few beats
+            return now - max(self.heard or self.at, self.at) > 5 * HEARTBEAT_S
+        if self.heard is not None and now - self.heard > PEER_TIMEOUT_S:
+            addr = self.store.get("trainer/addr").decode() if self.store.check(["trainer/addr"]) else "?"
+            raise dist.PeerLost(f"rollout rank {self.rank} lost train rank 0 at {addr}: no heartbeat for "
+                                f"{now - self.heard:.0f} s (its process or its node is gone)")
+        return False
 
     def wait(self, key: str) -> bool:
         """Wait for `key`; False if the trainer is gone first (`stop` itself counts as there)."""

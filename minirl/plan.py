@@ -2,9 +2,10 @@
 
     python -m minirl.ppo --dry-run --dry-run-world-size 8 --dry-run-device cuda --grid.rollout-ranks 2 ...
 
-validates the flags for the world the flags describe, prints one line per rank,
+validates the flags for the world the flags describe (`--dry-run-nnodes N` for N nodes: each rank's
+line then names its node, and its card is its index on that node), prints one line per rank,
 
-    rank R: role=<rollout|train|both> trainer=<device or -> engine=<device or -> params=<dtype> compute=<dtype>
+    rank R: [node=K] role=<rollout|train|both> trainer=<device or -> engine=<device or -> params=<dtype> compute=<dtype>
             | <that rank's share> | memory GiB: <terms> | peak <GiB> of <card> (fits|DOES NOT FIT)
 
 and returns without loading weights, building an engine or joining a process group. Devices come
@@ -113,18 +114,33 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
     head = [f"plan: {'minirl.grpo' if grpo else 'minirl.ppo'}, {world} rank(s) on {device_type}, {placement}; "
             f"model {source}" + (f" ({parameter_counts(hf)['total'] / 1e9:.2f}B parameters)" if hf else "")]
     lines = []
-    # One node, unless this process belongs to the launch being planned and torchrun says otherwise.
-    inside = int(os.environ.get("WORLD_SIZE", 0)) == world and "LOCAL_WORLD_SIZE" in os.environ
-    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if inside else world
+    per_node = ranks_per_node(args, world)
+    nnodes = world // per_node
+    if nnodes > 1:
+        head.append(f"plan: {nnodes} nodes x {per_node} ranks; a rank's card is its index on its node")
     for g in range(world):
-        d = dist.device_map(g, g % local_world, world, R, placement, device_type)
+        node, local = divmod(g, per_node)  # torchrun numbers ranks node by node
+        d = dist.device_map(g, local, world, R, placement, device_type)
         role = "both" if d.trainer and d.engine else ("train" if d.trainer else "rollout")
         params = "float32" if d.trainer else compute
-        prefix = (f"rank {g}: role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
+        where = f" node={node}" if nnodes > 1 else ""
+        prefix = (f"rank {g}:{where} role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
                   f"params={params} compute={compute}")
         share, mem = (_grpo_share(args, world, hf, c, T) if grpo else _ppo_share(args, g, world, R, role, hf, c, T))
         lines.append(f"{prefix} | {share} | {_memory(args, role, mem, device_type, placement)}")
     return head + lines
+
+
+def ranks_per_node(args, world: int) -> int:
+    """Ranks on one node: the world over --dry-run-nnodes, or torchrun's LOCAL_WORLD_SIZE when this
+    process belongs to the launch being planned."""
+    if args.dry_run_nnodes > 1:
+        if world % args.dry_run_nnodes:
+            raise ConfigError(f"--dry-run-world-size={world} is not a multiple of --dry-run-nnodes="
+                              f"{args.dry_run_nnodes} (torchrun starts the same --nproc-per-node on every node)")
+        return world // args.dry_run_nnodes
+    inside = int(os.environ.get("WORLD_SIZE", 0)) == world and "LOCAL_WORLD_SIZE" in os.environ
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if inside else world
 
 
 def _trainer_terms(hf: dict, dp: int, c: int, models_trained: int, micro_tokens: int, logits: bool,

@@ -46,6 +46,20 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> sub
                 script, *args], timeout=timeout)
 
 
+GRPO_SMALL = ["--steps", "3", "--log.eval-every", "2", "--rl.batch-per-replica", "16", "--rl.group-size", "4"]
+
+
+@pytest.fixture(scope="session")
+def grpo_four_ranks(tmp_path_factory):
+    """`torchrun --nproc-per-node 4 -m minirl.grpo` on one host (GRPO_SMALL): the run that one rank
+    (test_grpo.py) and two nodes of two (test_two_nodes.py) must reproduce. Returns its run dir."""
+    d = tmp_path_factory.mktemp("grpo_four_ranks")
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+             "-m", "minirl.grpo", *GRPO_SMALL, "--log.run-dir", str(d)], timeout=900)
+    assert p.returncode == 0
+    return d
+
+
 class RecordingSGD(torch.optim.SGD):
     """SGD that keeps a copy of the (full, for FSDP2) gradients of its last step in `seen`."""
 

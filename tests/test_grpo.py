@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import GRPO_SMALL as STEPS
 from conftest import run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-STEPS = ["--steps", "3", "--log.eval-every", "2", "--rl.batch-per-replica", "16", "--rl.group-size", "4"]
 
 
 def records(run_dir):
@@ -66,17 +66,14 @@ def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
 
 
 @pytest.mark.dist
-def test_four_ranks_match_one_rank(one_rank, tmp_path):
+def test_four_ranks_match_one_rank(one_rank, grpo_four_ranks):
     """torchrun --nproc-per-node 4: four FSDP2 shards and four colocated engines (one thread each),
     one group per rank per step, reach what one rank reaches."""
     d1, _ = one_rank
-    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-             "-m", "minirl.grpo", *STEPS, "--log.run-dir", str(tmp_path)], timeout=900)
-    assert p.returncode == 0
-    r1, r4 = records(d1), records(tmp_path)
+    r1, r4 = records(d1), records(grpo_four_ranks)
     assert [r["reward_mean"] for r in r1] == [r["reward_mean"] for r in r4]
     assert [r["weight_syncs"] for r in r4] == [1, 1, 1]
-    a, b = load_file(d1 / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
+    a, b = load_file(d1 / "final" / "model.safetensors"), load_file(grpo_four_ranks / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 

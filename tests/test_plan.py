@@ -53,6 +53,24 @@ def test_every_gpu_recipe_plans_its_devices_and_fits_an_80_gib_card(path, tmp_pa
         assert 1.0 < peak <= 80.0, m.group(0)
 
 
+def test_two_nodes_number_cards_per_node(tmp_path):
+    """`--dry-run-nnodes 2`: ranks are numbered node by node and a card is a rank's index on its node,
+    so 2 nodes of 8 use cuda:0..7 on each (the old plan printed cuda:8..15 for node 1)."""
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
+    args.dry_run_world_size, args.dry_run_nnodes, args.grid.rollout_ranks = 16, 2, 4  # 252 prompts / 12
+    lines = plan.dry_run(args)
+    ranks = [re.match(r"rank (\d+): node=(\d) role=(\w+) trainer=(\S+) engine=(\S+)", line)
+             for line in lines if line.startswith("rank ")]
+    assert len(ranks) == 16 and all(ranks), lines
+    for m in ranks:
+        g, node, role = int(m.group(1)), int(m.group(2)), m.group(3)
+        assert node == g // 8 and role == ("rollout" if g < 4 else "train")
+        assert m.group(5 if role == "rollout" else 4) == f"cuda:{g % 8}"
+    args.dry_run_nnodes = 3
+    with pytest.raises(Exception, match="--dry-run-nnodes"):
+        plan.dry_run(args)
+
+
 def test_memory_estimate_counts_the_model(tmp_path):
     """0.5B at 16 bytes per parameter (float32 masters, grads, AdamW) on one rank is about 7.3 GiB."""
     args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_1gpu.sh"), tmp_path)
