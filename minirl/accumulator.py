@@ -32,6 +32,7 @@ from minirl import dist
 
 COUNTS = ("_denom", "_n", "_tokens")   # metric suffixes that are counts: summed, never averaged
 MAXIMA = ("_max",)                     # metric suffixes reduced by max
+SHARED = ("skipped_nonfinite",)        # counts every rank holds alike: summed over calls, max over ranks
 
 
 class Accumulator:
@@ -172,7 +173,7 @@ def roll_up(calls: list[dict]) -> dict:
     keys = {k for c in calls for k in c}
     for k in sorted(keys):
         vals = [(c[k], c) for c in calls if k in c]
-        if k.endswith(COUNTS) or k.startswith("skipped"):
+        if k.endswith(COUNTS + SHARED):
             out[k] = sum(v for v, _ in vals)
         elif k.endswith(MAXIMA):
             out[k] = max(v for v, _ in vals)
@@ -190,8 +191,10 @@ def across_ranks(metrics: dict) -> dict:
     """One record for the whole data-parallel group (a collective: every rank must call it).
 
     Counts sum over ranks, except the divisor, which is already a DP mean and equal on every
-    rank; `*_max` takes the max; everything else is the mean over ranks, which is exact for a
-    loss normalized by the shared DP-mean divisor.
+    rank; `*_max` takes the max; counts every rank shares (`*skipped_nonfinite`: a skip is
+    decided by an all-reduce, so each rank counts the same windows) take the max too, never the
+    sum; everything else is the mean over ranks, which is exact for a loss normalized by the
+    shared DP-mean divisor.
     """
     keys = sorted(metrics)
     if not keys:
@@ -204,10 +207,10 @@ def across_ranks(metrics: dict) -> dict:
     for i, k in enumerate(keys):
         if k.endswith("_denom"):
             out[k] = metrics[k]
-        elif k.endswith(COUNTS) or k.startswith("skipped"):
-            out[k] = summed[i].item()
-        elif k.endswith(MAXIMA):
+        elif k.endswith(MAXIMA + SHARED):
             out[k] = maxed[i].item()
+        elif k.endswith(COUNTS):
+            out[k] = summed[i].item()
         else:
             out[k] = summed[i].item() / world
     return out

@@ -252,14 +252,14 @@ def load_model(path: str, part: str, model: torch.nn.Module) -> None:
     set_model_state_dict(model, sd[part])
 
 
-def use_flag_lr(optimizer, lr: float, flag: str, say) -> None:
-    """A resumed optimizer trains at the learning rate the flags give now, not the one it was saved
-    with (config.json records the flag; the two must agree). Says so when they differed."""
+def report_lr(optimizer, next_lr: float, flag: str, say) -> None:
+    """A resumed run's learning rate has one source, the schedule the flags give now (`lr_schedule`,
+    set before every optimizer step), never the rate the checkpoint's optimizer was saved with.
+    Says so when the two differ, with the rate the next step trains at."""
     saved = sorted({g["lr"] for g in optimizer.param_groups})
-    if saved != [lr]:
-        say(f"{flag}={lr}: the checkpoint's optimizer was at lr {', '.join(map(str, saved))}; training at {lr}")
-        for g in optimizer.param_groups:
-            g["lr"] = lr
+    if saved != [next_lr]:
+        say(f"{flag}: the checkpoint's optimizer was at lr {', '.join(f'{x:g}' for x in saved)}; the schedule "
+            f"of the flags sets the rate, {next_lr:g} at the next step")
 
 
 def _state(parts: dict) -> dict:

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = models.DTYPES[args.model.dtype]
     with log.phase("build_trainer", announce="loading the policy (FSDP2)"):
         policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
-        ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if rl.kl_coef else None
-    log.info(models.packing_line(args.model.packing, policy.pack_rows))
+        ref = models.sharded(path, "reference", world, args.model.dtype, like=policy) if rl.kl_coef else None
+    log.info(models.load_report(args.model.packing, policy))
     optimizer = models.adamw(policy, rl.lr, rl.weight_decay)
     total_steps = args.steps * args.n_mini * rl.mu_iterations  # optimizer steps of the whole run
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         if resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
             state = handoff.restore(lambda: checkpoint.load(resume, {"policy": (policy, optimizer)}))
             acc.steps, acc.skipped, probe.done = state["optimizer_steps"], state["skipped"], state["probe_done"]
-            checkpoint.use_flag_lr(optimizer, rl.lr, "--rl.lr", log.info)
+            checkpoint.report_lr(optimizer, acc.schedule(acc.steps), "--rl.lr", log.info)
             log.info(f"resumed from {resume} at step {start}")
         else:
             handoff.start_fresh()

@@ -207,28 +207,54 @@ def load_value(path: str) -> ValueModel:
     return ValueModel(backbone, backbone.config.hidden_size)
 
 
-def sharded(path: str, kind: str, world, dtype: str, pack: bool = False) -> nn.Module:
+def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None) -> nn.Module:
     """The trainer's models as both entrypoints build them: loaded (policy and value in float32
     master weights, the frozen reference in `dtype`), then FSDP2-sharded to compute in `dtype`
     (`--model.dtype`) on the world's device (dist.shard).
 
+    Two checks on the loaded float32 weights decide how a model computes, before it is sharded:
     `pack` (--model.packing): train padding-free (`model.pack_rows`) if the model keeps packed rows
-    apart, which `packing_error` checks on the loaded float32 weights. The reference shares the
-    policy's architecture: its caller passes the policy's verdict."""
+    apart (`packing_error`); and the policy's chunked logprob head is used only where it equals the
+    model's own logits (`model.chunked_head`, `chunked_head_error`). The reference shares the
+    policy's architecture: it takes both verdicts from `like`, the policy."""
     from minirl import dist
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
     model = load(path)
-    model.pack_rows = pack and (kind == "reference" or packing_error(model) is None)
+    if like is not None:
+        model.pack_rows, model.chunked_head = like.pack_rows, like.chunked_head
+    else:
+        model.pack_rows = pack and packing_error(model) is None
+        model.chunked_head = kind != "policy" or chunked_head_error(model) is None
     return dist.shard(model, world, DTYPES[dtype])
 
 
-def packing_line(asked: bool, on: bool) -> str:
-    if on:
-        return "padding-free training: on (rows packed per micro-batch; --model.no-packing pads them)"
-    if asked:
-        return ("padding-free training: off: this model mixes rows packed into one sequence (its attention ignores "
+def load_report(asked: bool, policy: nn.Module) -> str:
+    """What the load checks decided, for the console: padding-free training, and the logprob head
+    when it falls back to full logits."""
+    if policy.pack_rows:
+        line = "padding-free training: on (rows packed per micro-batch; --model.no-packing pads them)"
+    elif asked:
+        line = ("padding-free training: off: this model mixes rows packed into one sequence (its attention ignores "
                 "restarting position_ids), so its micro-batches are padded")
-    return "padding-free training: off (--model.no-packing)"
+    else:
+        line = "padding-free training: off (--model.no-packing)"
+    if not getattr(policy, "chunked_head", True):
+        line += ("\nlogprob head: full logits: this model changes its logits after lm_head (a scale or a cap), so "
+                 "the chunked head would be wrong; each micro-batch holds its (rows, tokens, vocab) logits")
+    return line
+
+
+def chunked_head_error(model: nn.Module) -> float | None:
+    """The chunked logprob head against the model's own logits on a few tokens (float32, before
+    sharding, like `packing_error`): None when they agree to 1e-4 nats, else the largest difference.
+    A model that post-processes its logits after `lm_head` (Granite's `logits_scaling`, Cohere's
+    `logit_scale`, Gemma 2's final soft-capping) disagrees and is scored from its full logits."""
+    if model.get_output_embeddings() is None:
+        return float("inf")
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (_chunked_token_logprobs(model, ids, False, None) - plain_token_logprobs(model, ids)).abs().max().item()
+    return None if err <= 1e-4 else err
 
 
 def packing_error(model: nn.Module) -> float | None:
@@ -267,9 +293,13 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = Fa
     vocabulary entries, and under autograd each piece is recomputed in backward instead of kept.
     It runs inside the model's own forward, so FSDP2 has gathered the head's weight as usual.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or getattr(model.config, "final_logit_softcapping", None):  # logits post-processed
-        return plain_token_logprobs(model, input_ids, entropy, lengths)
+    if not getattr(model, "chunked_head", True) or getattr(model.config, "final_logit_softcapping", None):
+        return plain_token_logprobs(model, input_ids, entropy, lengths)  # logits post-processed (sharded's check)
+    return _chunked_token_logprobs(model, input_ids, entropy, lengths)
+
+
+def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool, lengths):
+    head = model.get_output_embeddings()
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
     name = next(n for n, m in model.named_children() if m is head)

@@ -81,8 +81,8 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     with log.phase("build_trainer", announce="loading the policy and the value model (FSDP2)"):
         policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
         value = models.sharded(path, "value", world, args.model.dtype, args.model.packing)
-        ref = models.sharded(path, "reference", world, args.model.dtype, policy.pack_rows) if p.kl_coef else None
-    log.info(models.packing_line(args.model.packing, policy.pack_rows))
+        ref = models.sharded(path, "reference", world, args.model.dtype, like=policy) if p.kl_coef else None
+    log.info(models.load_report(args.model.packing, policy))
     policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
     parts = {"policy": (policy, policy_opt), "value": (value, value_opt)}
     offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)  # S7
@@ -108,8 +108,9 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             log.info("waiting for the rollout ranks to build their engines ...")
         source.start(start, policy, offload, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
         if resume:
-            checkpoint.use_flag_lr(policy_opt, p.lr, "--ppo.lr", log.info)
-            checkpoint.use_flag_lr(value_opt, p.value_lr, "--ppo.value-lr", log.info)
+            checkpoint.report_lr(policy_opt, policy_lr(max(0, start - p.critic_warmup_steps) * p.ppo_epochs),
+                                 "--ppo.lr", log.info)
+            checkpoint.report_lr(value_opt, value_lr(start * p.critic_ppo_epochs), "--ppo.value-lr", log.info)
             log.info(f"resumed from {resume} at step {start}")
         elif args.checkpoint.resume == "auto":
             log.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")

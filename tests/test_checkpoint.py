@@ -5,6 +5,7 @@ runs it."""
 
 import json
 import os
+import re
 import signal
 import sys
 
@@ -164,9 +165,16 @@ def test_a_resume_never_loses_the_history_and_the_lr_flag_wins(tmp_path):
         done = checkpoint.steps_done(checkpoint.find("auto", str(tmp_path / "checkpoints")))
         steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]  # every line whole
         assert steps[:done] == list(range(done)), (delay, done, steps)
-    p = grpo(tmp_path, "--steps", "6", "--checkpoint.every", "1", "--checkpoint.resume", "auto", "--rl.lr", "5e-5")
+    p = grpo(tmp_path, "--steps", "6", "--checkpoint.every", "1", "--checkpoint.resume", "auto", "--rl.lr", "5e-5",
+             "--rl.lr-warmup-steps", "100")
     assert p.returncode == 0
-    assert "--rl.lr=5e-05: the checkpoint's optimizer was at lr 0.0001; training at 5e-05" in p.stdout
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", p.stdout).group(1))
+    # one source of the rate: the flags' schedule (warmup: 5e-5 * (k + 1) / 100 at optimizer step k = the step)
+    first = 5e-5 * (resumed_at + 1) / 100
+    assert (f"--rl.lr: the checkpoint's optimizer was at lr 0.0001; the schedule of the flags sets the rate, "
+            f"{first:g} at the next step") in p.stdout
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "lr" in r}
+    assert abs(lrs[resumed_at] - first) < 1e-12
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == list(range(6))
 
 

@@ -130,3 +130,23 @@ def test_full_parameters_in_a_world_of_one_are_private_copies_of_the_checkpoints
     for t in sent.values():
         t.add_(1.0)
     assert all(torch.equal(p.to_local(), saved[k]) for k, p in policy.named_parameters())
+
+
+def safetensors_dtypes(path) -> set[str]:
+    """The dtypes a safetensors file's header declares (read raw: no loader that could cast)."""
+    import json
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_engine_and_export_receive_the_model_dtype_not_the_float32_masters(tiny_path, world, tmp_path):
+    """--model.dtype bfloat16 in a world of one (no gather): what the engine is sent and what the
+    export writes are bf16, while the trainer keeps float32 masters."""
+    from minirl import checkpoint, dist, models
+    policy = models.sharded(tiny_path, "policy", world, "bfloat16")
+    assert {p.to_local().dtype for p in policy.parameters()} == {torch.float32}
+    assert {t.dtype for _, t in dist.full_parameters(policy, torch.bfloat16)} == {torch.bfloat16}
+    checkpoint.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16)
+    assert safetensors_dtypes(tmp_path / "final" / "model.safetensors") == {"BF16"}

@@ -213,3 +213,29 @@ def test_probe_defaults_are_strict_and_it_runs_once_per_run(tiny_path, world, mo
         update(model, None, acc, store, args, probe, ahead=True)
         store.close()
     assert runs == [1] and probe.done and probe.fraction == 0.0
+
+
+def test_clip_higher_reaches_the_update(tiny_path, world):
+    """--rl.clip-eps-high widens only the upper clip of a real update: with four mini-batches at a
+    large lr the ratios move, and a far upper bound clips fewer tokens than the default."""
+    clipped = []
+    for high in (0.0, 1000.0):
+        *_, calls, _, _ = train(tiny_path, grpo_args(mini_batch_per_replica=4, clip_eps_high=high), lr=0.5)
+        clipped.append(sum(c["grpo_clipfrac"] for c in calls))
+    assert clipped[0] > 0 and clipped[1] < clipped[0], clipped
+
+
+def test_logged_entropy_is_the_mean_over_completion_tokens(tiny_path, world):
+    """The step's entropy is the token-weighted mean over masked completion tokens only, from the
+    forward the update trains on (not over prompt or pad positions)."""
+    from minirl.accumulator import roll_up
+    policy = dist.shard(load_policy(tiny_path), world, torch.float32)
+    batch = synthetic_batch()
+    with torch.no_grad():
+        _, ent = token_logprobs(policy, batch["input_ids"], entropy=True)
+    mask = batch["mask"]
+    expected = ((ent * mask).sum() / mask.sum()).item()
+    everywhere = ent[:, 1:].mean().item()
+    assert abs(expected - everywhere) > 1e-3  # the two differ on this batch, so the test can tell them apart
+    *_, calls, _, _ = train(tiny_path, grpo_args(micro_batch_per_replica=4), model=policy)
+    assert abs(roll_up(calls)["grpo_entropy"] - expected) < 1e-5

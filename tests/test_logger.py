@@ -20,6 +20,26 @@ def test_records_are_flushed_per_step_and_a_resume_keeps_earlier_steps(tmp_path)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
+def test_a_resume_rewrite_that_fails_midway_leaves_the_old_history_whole(tmp_path, monkeypatch):
+    """The resume's rewrite of metrics.jsonl goes to a temporary file that replaces the history only
+    once it is on disk: a failure before that (fsync raising, as on a full or failing disk) leaves
+    every old line in place, and a run that then starts leaves them there too."""
+    import os
+    log = RunLog(str(tmp_path), enabled=True)
+    for s in range(5):
+        log.write({"step": s, "reward_mean": s / 10})
+    log.close()
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def failing_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space left"):
+        RunLog(str(tmp_path), enabled=True, start_step=2)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 @pytest.mark.parametrize("kwargs, module, flag", [
     ({"tensorboard": True}, "torch.utils.tensorboard", "--log.tensorboard"),
     ({"wandb_project": "p"}, "wandb", "--log.wandb-project"),

@@ -38,6 +38,59 @@ def test_chunked_logprobs_equal_the_plain_log_softmax(tiny_path, world, monkeypa
     assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) <= 1e-6 * scale
 
 
+@pytest.mark.parametrize("B,T", [(1, 2), (1, 8), (2, 5), (3, 6)], ids=["one", "a-piece", "a-piece+1", "two+1"])
+def test_chunked_logprobs_equal_the_plain_path_at_every_piece_boundary(tiny_path, monkeypatch, B, T):
+    """Pieces of 7 tokens; B*(T-1) tokens = 1, exactly one piece, a piece and one, two pieces and one:
+    every token is scored once (values and gradients), none dropped at a piece's edge."""
+    vocab = models.load_policy(tiny_path).config.vocab_size
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 7 * vocab)
+    a, b = models.load_policy(tiny_path), models.load_policy(tiny_path)
+    ids = torch.randint(3, 40, (B, T), generator=torch.Generator().manual_seed(B * 10 + T))
+    plain, chunked = models.plain_token_logprobs(a, ids), models.token_logprobs(b, ids)
+    assert chunked.shape == plain.shape == (B, T) and (plain - chunked).abs().max().item() < 1e-6
+    plain.sum().backward()
+    chunked.sum().backward()
+    ga, gb = grads(a), grads(b)
+    scale = max(g.abs().max().item() for g in ga)
+    assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) <= 1e-6 * scale
+
+
+def scaled_logits_model(tmp_path, arch):
+    """A one-layer model of an architecture that changes its logits after lm_head, saved as a folder."""
+    import transformers
+    torch.manual_seed(0)
+    config_cls, model_cls, scale = {"granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 4.0}),
+                                    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.25})}[arch]
+    cfg = getattr(transformers, config_cls)(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                            num_attention_heads=1, num_key_value_heads=1, bos_token_id=1,
+                                            eos_token_id=2, pad_token_id=0, **scale)
+    getattr(transformers, model_cls)(cfg).save_pretrained(tmp_path / arch)
+    return str(tmp_path / arch)
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere"])
+def test_models_that_scale_their_logits_get_their_own_logprobs(tmp_path, world, arch):
+    """Granite divides its logits by logits_scaling and Cohere multiplies them by logit_scale, after
+    lm_head: the chunked head, which replaces lm_head, would miss that (a Granite with scaling 4 was
+    up to 2.9 nats off). The load check finds it, the policy (and a reference built like it) are
+    scored from their full logits, and the console says so; the tiny Qwen2 keeps the chunked head."""
+    path = scaled_logits_model(tmp_path, arch)
+    policy = models.sharded(path, "policy", world, "float32")
+    ref = models.sharded(path, "reference", world, "float32", like=policy)
+    assert not policy.chunked_head and not ref.chunked_head
+    assert "logprob head: full logits" in models.load_report(True, policy)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = torch.log_softmax(policy(input_ids=ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])
+        got = models.token_logprobs(policy, ids)
+    assert (got[:, 1:] - own.squeeze(-1)).abs().max().item() < 1e-5
+
+
+def test_the_tiny_model_keeps_the_chunked_head(tiny_path, world):
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    assert policy.chunked_head and "logprob head" not in models.load_report(True, policy)
+
+
 def test_no_full_vocabulary_logits_for_the_whole_micro_batch(monkeypatch):
     """At vocab 151,936 the largest tensor made in forward and backward is one piece of logits, not
     (B, T, V); the plain path makes several of those."""

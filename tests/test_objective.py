@@ -54,6 +54,23 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away(world):
     assert m0["grpo_kl"] == 0.0 and m1["grpo_kl"] > 0.0
 
 
+def test_kl_penalty_is_k3_of_kl_to_the_reference_with_its_gradient(world):
+    """With zero advantages the loss is kl_coef times the token mean of k3 = exp(r - l) - (r - l) - 1
+    (l the policy's logprob, r the reference's: an estimate of KL(policy || reference)), and its
+    gradient is kl_coef * (1 - exp(r - l)) / N on every masked token: the penalty trains the policy."""
+    logp, old, _, mask = _inputs(4)
+    ref = logp - 0.7 * torch.rand(logp.shape, generator=torch.Generator().manual_seed(5)) + 0.2
+    logp.requires_grad_(True)
+    coef = 0.3
+    loss, divisor, m = policy_loss(logp, old, torch.zeros(logp.shape[0]), mask, 0.2, ref_logp=ref, kl_coef=coef)
+    d = ref - logp.detach()
+    k3 = torch.exp(d) - d - 1
+    torch.testing.assert_close(loss, coef * (k3 * mask).sum() / mask.sum())
+    assert abs(m["grpo_kl"] - ((k3 * mask).sum() / mask.sum()).item()) < 1e-6
+    loss.backward()
+    torch.testing.assert_close(logp.grad, coef * (1 - torch.exp(d)) * mask / mask.sum())
+
+
 def test_value_loss_is_clipped_around_old_values(world):
     v_old = torch.zeros(2, 3)
     ret = torch.ones(2, 3)

@@ -288,3 +288,96 @@ def test_restore_sleeps_the_engine_loads_then_publishes(world):
     assert state == {"steps_done": 3}
     assert h.events == ["rollout.sleep", "checkpoint.load", *CYCLE[2:]]
     assert eng.log == ["sleep:1", "checkpoint.load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
+
+
+class FailingEngine(RecordingEngine):
+    """What `grpo.main` builds in place of vLLM: the hand-off runs for real, the first generate fails
+    (the run's own error), and `close` fails too."""
+
+    def generate(self, *a, **k):
+        super().generate()
+        raise RuntimeError("the run's own error")
+
+    def close(self):
+        raise RuntimeError("close failed as well")
+
+
+def grpo_main_with(engine_cls, monkeypatch, tmp_path, *flags):
+    import signal
+
+    from minirl import grpo
+    built = []
+    monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(engine_cls(*a, **k)) or built[-1])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            grpo.main(["--steps", "3", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+                       "--log.run-dir", str(tmp_path / "run"), *flags])
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # grpo.main installs its SIGTERM handler
+    return raised.value, built[0]
+
+
+def test_a_failing_grpo_run_whose_engine_close_fails_too_raises_its_own_error(world, tmp_path, monkeypatch, capsys):
+    """B24 through grpo.main: the engine's failing `close` is reported, the run's error is the one raised."""
+    err, engine = grpo_main_with(FailingEngine, monkeypatch, tmp_path)
+    assert str(err) == "the run's own error"
+    assert "cleanup after an error also failed: RuntimeError: close failed as well" in capsys.readouterr().err
+    assert engine.state == "asleep"  # the clean-up put the engine to sleep
+
+
+def test_a_resumed_grpo_run_sleeps_the_engine_loads_then_publishes_before_sampling(world, tiny_path, tmp_path,
+                                                                                   monkeypatch):
+    """B25 through grpo.main: the first hand-off of a resumed run is sleep, checkpoint load, publish
+    (weights woken, loaded, KV cache woken), and only then the first generate."""
+    from minirl import checkpoint, models
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    ckpt = checkpoint.save(str(tmp_path / "ckpt"), 1, {"policy": (policy, models.adamw(policy, 1e-4))},
+                           {"optimizer_steps": 1, "skipped": 0, "probe_done": False}, keep=2)
+    load = checkpoint.load
+    engines = []
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (engines[0].log.append("load"), load(*a, **k))[1])
+
+    class Recorded(FailingEngine):
+        def __post_init__(self):
+            super().__post_init__()
+            engines.append(self)
+
+    grpo_main_with(Recorded, monkeypatch, tmp_path, "--checkpoint.resume", ckpt)
+    assert engines[0].log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
+
+
+class ScriptedEngine(RecordingEngine):
+    """Made-up samples (random completions), so grpo.main's whole loop runs without vLLM."""
+
+    def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
+        from minirl.rollout import Samples
+        super().generate()  # recorded; refused unless awake with fresh weights
+        g = torch.Generator().manual_seed(sum(prompt_ids) + len(self.log))
+        rows = len(prompts) * group_size
+        comps = [torch.randint(3, 30, (int(n),), generator=g).tolist() for n in torch.randint(1, 5, (rows,), generator=g)]
+        return Samples([i for i in prompt_ids for _ in range(group_size)], [p for p in prompts for _ in range(group_size)],
+                       comps, [[-1.0] * len(c) for c in comps], ["stop"] * rows)
+
+    def close(self):
+        pass
+
+
+def test_a_scheduled_save_at_a_boundary_without_validation_runs_before_publication(world, tmp_path, monkeypatch):
+    """B22 through grpo.main: every step's checkpoint is written while the engine sleeps and the trainer
+    holds the card, before the step's one publication; no second sleep for it."""
+    import signal
+
+    from minirl import checkpoint, grpo
+    built = []
+    monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(ScriptedEngine(*a, **k)) or built[-1])
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: (built[0].log.append("save"), save(*a, **k))[1])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        grpo.main(["--steps", "2", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+                   "--checkpoint.every", "1", "--log.run-dir", str(tmp_path / "run")])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    step = ["generate", "sleep:1", "save", "wake:weights", "load_weights", "wake:kv_cache"]
+    assert built[0].log == step * 2 + ["sleep:1"]  # the end hands the card to the export

@@ -3,6 +3,7 @@ gradients (to 1e-6, on skewed rows of the real tiny model, FSDP2 world of one), 
 packed rows apart are packed, and a packed token budget counts the tokens the forward computes."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
     monkeypatch.setattr(type(model), "forward", ignores_positions)
     assert models.packing_error(model) > 1e-3
     assert not models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
-    assert "off: this model mixes rows" in models.packing_line(True, False)
+    assert "off: this model mixes rows" in models.load_report(True, SimpleNamespace(pack_rows=False))
 
 
 def test_equal_lengths_run_padded(tiny_path):

@@ -100,6 +100,129 @@ def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, w
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
 
 
+class NaNRewards(RecordingSource):
+    """Every group's rewards are NaN: every policy and critic update comes out non-finite."""
+
+    def chunks(self, step, ready):
+        for taken, groups in super().chunks(step, ready):
+            for g in groups:
+                g["rewards"] = torch.full_like(g["rewards"], float("nan"))
+            yield taken, groups
+
+
+def small_ppo_args(tmp_path, steps):
+    args = PPOArgs()
+    args.steps, args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt = steps, 2, 2
+    args.ppo.critic_ppo_epochs, args.log.run_dir = 1, str(tmp_path)
+    return args
+
+
+def train_in_process(args, tiny_path, world, source):
+    import signal
+
+    from minirl import ppo
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ppo.train(args, tiny_path, world, source, resume=None)
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # ppo.train installs its SIGTERM handler
+    return [json.loads(line) for line in open(args.log.run_dir + "/metrics.jsonl") if "reward_mean" in line]
+
+
+def test_ppo_stops_after_max_skipped_steps_of_non_finite_updates(tiny_path, world, tmp_path):
+    """--ppo.max-skipped-steps 1: the first step without a policy update stops the run (exit 3's
+    StalledError), its record logged with the skip counted once, nothing exported."""
+    from minirl.accumulator import StalledError
+    args = small_ppo_args(tmp_path, steps=5)
+    args.ppo.max_skipped_steps = 1
+    with pytest.raises(StalledError, match="--ppo.lr"):
+        train_in_process(args, tiny_path, world, NaNRewards(args, False, []))
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "reward_mean" in line]
+    assert [r["step"] for r in recs] == [0] and recs[0]["skipped_nonfinite"] == 1.0
+    assert not (tmp_path / "final").exists()
+
+
+def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path, world, tmp_path):
+    """Critic warmup 2 and lr warmup 2: the policy's first optimizer step (at step 2) is step 0 of its
+    schedule, so it trains at lr / 2 then lr; the critic steps from step 0 (lr / 2, then lr)."""
+    args = small_ppo_args(tmp_path, steps=4)
+    args.ppo.critic_warmup_steps, args.ppo.lr_warmup_steps = 2, 2
+    args.ppo.lr, args.ppo.value_lr = 1e-4, 2e-4
+    recs = train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
+    assert [r["critic_warmup"] for r in recs] == [True, True, False, False]
+    assert [r["lr"] for r in recs[2:]] == pytest.approx([5e-5, 1e-4], rel=1e-9)
+    assert [r["value_lr"] for r in recs] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-4], rel=1e-9)
+
+
+def colocated_source(args, world, monkeypatch):
+    """The real `EngineGroups` and hand-off around a recording engine (no vLLM): its generate makes
+    the step's groups and refuses unless the engine is awake with fresh weights."""
+    from minirl import placement
+    from minirl.rollout import Samples
+    from test_offload import RecordingEngine
+    args.grid.gpu_placement, args.async_rl.min_groups_for_streaming_train = "colocated", args.ppo.num_prompts_per_step
+    args.log.eval_every = 0
+    engine = RecordingEngine("unused", args.rollout, 64, world.device, sleep_mode=True)
+    engine.close = lambda: None  # no vLLM behind it
+    source = placement.EngineGroups.__new__(placement.EngineGroups)
+    source.args, source.world, source.engine, source.handoff = args, world, engine, None
+    source.task = source.tok = None  # the stand-in generate below makes the groups
+    G = args.ppo.num_generations_per_prompt
+
+    def generate(engine, task, tok, indices, step, args, version):
+        engine.generate()
+        comps = [[5 + j, 6] for j in range(G)]
+        s = Samples([0] * G, [[3, 4]] * G, comps, [[-1.0, -1.0]] * G, ["stop"] * G)
+        for i in indices:
+            yield i, placement._group(s, slice(0, G), [float(j % 2) for j in range(G)], version)
+
+    monkeypatch.setattr(placement, "_generate", generate)
+    return source, engine
+
+
+STEP_CYCLE = ["generate", "sleep:1", "wake:weights", "load_weights", "wake:kv_cache"]
+
+
+def test_colocated_engine_sleeps_from_the_chunk_until_the_refit_after_the_critic(tiny_path, world, tmp_path,
+                                                                                   monkeypatch):
+    """Colocated full batch (S13): the engine generates awake, then sleeps through the policy chunk and
+    the critic epochs, and wakes only for the refit that follows critic training; every step the same."""
+    from minirl.stream import TrainPump
+    args = small_ppo_args(tmp_path, steps=2)
+    source, engine = colocated_source(args, world, monkeypatch)
+    seen = []
+    chunk, critic = TrainPump.chunk, TrainPump._train_critic
+    monkeypatch.setattr(TrainPump, "chunk", lambda self, c: (seen.append(("chunk", engine.state)), chunk(self, c))[1])
+    monkeypatch.setattr(TrainPump, "_train_critic",
+                        lambda self: (seen.append(("critic", engine.state)), critic(self))[1])
+    train_in_process(args, tiny_path, world, source)
+    assert seen == [("chunk", "asleep"), ("critic", "asleep")] * 2
+    assert engine.log == STEP_CYCLE * 2 + ["sleep:1"]  # the run's end hands the card to the export
+
+
+def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_sampling(tiny_path, world, tmp_path,
+                                                                                       monkeypatch):
+    """B25 in PPO's colocated placement: the engine sleeps before the checkpoint is loaded, and the
+    restored policy is published (weights woken, loaded, KV cache woken) before the first generate."""
+    from minirl import checkpoint, models
+    parts = {k: (m, models.adamw(m, 1e-4)) for k in ("policy", "value")
+             for m in [models.sharded(tiny_path, k, world, "float32")]}
+    ckpt = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, {}, keep=2)
+    args = small_ppo_args(tmp_path / "run", steps=2)
+    source, engine = colocated_source(args, world, monkeypatch)
+    load = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (engine.log.append("load"), load(*a, **k))[1])
+    import signal
+
+    from minirl import ppo
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ppo.train(args, tiny_path, world, source, resume=ckpt)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert engine.log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
+
+
 @e2e
 def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",

@@ -118,6 +118,18 @@ def test_old_values_come_from_the_unchanged_critic_and_stay_frozen(models, world
     assert any((a - b).abs().max() > 0 for a, b in zip(critic_before.parameters(), p.value.parameters()))
 
 
+def test_later_critic_epochs_clip_around_the_old_values_of_the_first(models, world):
+    """S6 seen from the loss: old values are taken once, before any critic update. Over one epoch no
+    value has moved from its old value (clip fraction 0); over two, the second epoch's values have
+    moved from those same old values past a small clip range (clip fraction > 0). Old values taken
+    afresh each epoch would read 0 in both."""
+    fracs = []
+    for epochs in (1, 2):
+        _, out = run(models, [make_chunk(*c) for c in CHUNKS], critic_ppo_epochs=epochs, value_clip_eps=1e-4)
+        fracs.append(out["value_clipfrac"])
+    assert fracs[0] == 0.0 and fracs[1] > 0.0, fracs
+
+
 def test_critic_warmup_skips_policy_backward_step_and_refit(models, world):
     refits = []
     p = pump(models, PumpConfig(critic_warmup=True), refit=lambda: refits.append(1))
@@ -270,18 +282,21 @@ def test_two_train_ranks_whiten_over_both_shards_and_agree_on_masked_steps(tiny_
     assert p.stdout.count("whitening over both shards OK") == 2 and p.stdout.count("masked shares OK") == 2
 
 
-def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(models, world):
-    """A NaN reward in chunk 1 and a good chunk 2: no policy step, the later chunk discarded (B12),
-    the skip in the step's metrics, no gradient left, the critic's skip reported too; and the
-    next step's gradient is exactly what a clean step from the same weights gives."""
-    bad = make_chunk(*CHUNKS[0])
-    bad["rewards"][0] = float("nan")
+@pytest.mark.parametrize("bad_at", [0, 1, 2], ids=["first", "middle", "last"])
+def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(models, world, bad_at):
+    """A NaN reward in one of three chunks (the first, the middle or the last, so earlier chunks'
+    gradients are already accumulated): no policy step, later chunks discarded (B12), the skip in
+    the step's metrics once, no gradient left, the critic's skip reported too; and the next step's
+    gradient is exactly what a clean step from the same weights gives."""
+    chunks = [make_chunk(*c) for c in CHUNKS]
+    chunks[bad_at]["rewards"][0] = float("nan")
     clean = make_chunk(*CHUNKS[1])
     p = pump(models, PumpConfig())
-    p.chunk(bad)
-    p.chunk(make_chunk(*CHUNKS[2]))
+    for c in chunks:
+        p.chunk(c)
     out = p.close()
-    assert p.policy_acc.steps == 0 and out["skipped_nonfinite"] == 1.0 and "policy.discarded" in p.events
+    assert p.policy_acc.steps == 0 and out["skipped_nonfinite"] == 1.0
+    assert ("policy.discarded" in p.events) == (bad_at < 2)
     assert out["value_skipped_nonfinite"] == 1.0
     p.policy_off.onload()
     assert all(q.grad is None for q in p.policy.parameters())

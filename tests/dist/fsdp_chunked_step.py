@@ -1,8 +1,9 @@
 """Two ranks, FSDP2 over gloo: one optimizer step whose mini-batch is split over 2 ranks x 2 micro-batches
 of unequal lengths equals the single-process step on the whole batch; the logged loss and counts,
 rolled up per rank and then across ranks (B13), equal the whole batch's token mean and totals though
-the ranks hold unequal token counts; the full parameters gathered for the engine equal the trainer's.
-Run by tests/test_dist.py under torchrun --standalone."""
+the ranks hold unequal token counts, and a skip count every rank shares is not summed over them; the
+full parameters gathered for the engine equal the trainer's; in bf16 compute the gradients are reduced
+in float32 (the float32 mean of the ranks' bf16 gradients). Run by tests/test_dist.py under torchrun --standalone."""
 
 import sys
 
@@ -67,6 +68,10 @@ assert abs(logged["grpo_loss"] - ref_loss.item()) < 1e-6, (logged["grpo_loss"], 
 assert logged["grpo_tokens"] == mask.sum().item() and logged["grpo_n"] == B
 assert abs(logged["grpo_denom"] * world.world_size - mask.sum().item()) < 1e-6  # the DP mean of the count
 
+# counts every rank holds alike (a skip is decided by an all-reduce) are not multiplied by the world
+shared = across_ranks({"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0, "grpo_n": 3.0})
+assert shared == {"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0, "grpo_n": 6.0}, shared
+
 grad_diff = max((seen[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
 full = dict(dist.full_parameters(policy))
 param_diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
@@ -75,4 +80,20 @@ if world.is_main:
     print(f"OK grad_diff={grad_diff:.3e} param_diff={param_diff:.3e}")
 assert grad_diff < 1e-6, grad_diff
 assert param_diff < 1e-6, param_diff
+
+# ---- bf16 compute, float32 reduction: the reduced gradient is the float32 mean of the ranks' bf16 ones ----
+mine = torch.randint(3, V, (2, T), generator=torch.Generator().manual_seed(100 + world.rank))
+replica = load_policy(path)  # what FSDP2 gathers for a bf16 forward: the parameters cast (buffers stay float32)
+for p in replica.parameters():
+    p.data = p.data.to(torch.bfloat16)
+token_logprobs(replica, mine).sum().backward()
+expected = {n: dist.all_reduce(p.grad.float(), "avg") for n, p in replica.named_parameters()}  # float32 mean
+bf16 = dist.shard(load_policy(path), world, torch.bfloat16)
+token_logprobs(bf16, mine).sum().backward()
+reduced = {n: p.grad.full_tensor() for n, p in bf16.named_parameters()}
+assert {g.dtype for g in reduced.values()} == {torch.float32}
+rel = max(((reduced[n] - expected[n]).abs().max() / expected[n].abs().max()).item() for n in expected)
+if world.is_main:
+    print(f"OK bf16 compute, float32 reduction: max relative diff {rel:.2e}")
+assert rel < 1e-6, rel  # a bf16 reduce-scatter rounds each sum to 8 bits of mantissa: about 1e-3
 dist.shutdown()
