@@ -71,6 +71,14 @@ def test_kl_penalty_is_k3_of_kl_to_the_reference_with_its_gradient(world):
     torch.testing.assert_close(logp.grad, coef * (1 - torch.exp(d)) * mask / mask.sum())
 
 
+def test_entropy_metric_is_the_mean_over_masked_tokens(world):
+    logp, old, adv, mask = _inputs(6)
+    ent = torch.rand(logp.shape, generator=torch.Generator().manual_seed(7)) * 3
+    _, _, m = policy_loss(logp, old, adv, mask, 0.2, entropy=ent)
+    assert abs(m["grpo_entropy"] - ((ent * mask).sum() / mask.sum()).item()) < 1e-6
+    assert abs(m["grpo_entropy"] - ent.mean().item()) > 1e-3  # the unmasked mean is another number here
+
+
 def test_value_loss_is_clipped_around_old_values(world):
     v_old = torch.zeros(2, 3)
     ret = torch.ones(2, 3)
