@@ -53,6 +53,11 @@ class World:
         return self.rank == 0
 
 
+# This process's global rank and the run's store address, set at start-up: what a rank that loses
+# a peer names (`lost_peer`).
+_here = {"rank": None, "store": None}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,9 +265,6 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
 class PeerLost(RuntimeError):
     """A peer rank, its node, or the run's store stopped answering: `launch.run` prints this as one
     line (which rank, what it lost, at which address) and exits 4."""
-
-
-_here = {"rank": None, "store": None}  # global rank and the run's store address, set at start-up
 
 
 def host_address(peer: str) -> str:
