@@ -162,7 +162,8 @@ class LogConfig:
     wandb_project: str = ""
     """Also log the metrics to this Weights & Biases project (pip install -e '.[wandb]'); empty = off."""
     overwrite: bool = False
-    """Start a fresh run in a run directory that already holds one (its metrics.jsonl is replaced)."""
+    """Start a fresh run in a run directory that already holds one: the old run's metrics, config.json,
+    final/, logs and its checkpoints in --checkpoint.dir are removed first."""
     engine_logs: bool = False
     """Show the engine's own log lines (vLLM and its native libraries) in the console; by default they
     go to <run dir>/engine.log (engine_rank<R>.log per rank when there are several)."""
@@ -312,6 +313,9 @@ def _check_run(args) -> None:
     (a file, not writable, or holding a run that is neither resumed nor overwritten), the dry run's world."""
     if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
         raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
+    if args.log.overwrite and args.checkpoint.resume:
+        raise ConfigError(f"--log.overwrite starts over and --checkpoint.resume={args.checkpoint.resume!r} continues: "
+                          "give one of them")
     if args.dry_run_nnodes < 1:
         raise ConfigError(f"--dry-run-nnodes={args.dry_run_nnodes} must be >= 1")
     _at_least("--log.every", args.log.every, 1)

@@ -4,7 +4,8 @@ a Hugging Face folder, the same as a run's `final/`.
 The model it belongs to comes from the run's config.json beside the checkpoints folder
 (`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`), or from `--model-path`. The weights are
 read with the same checks as a resume (checkpoint.load_model: nothing is unpickled blindly, the
-shapes must match), on one process, on CPU.
+shapes must match), on one process, on CPU. OUT must be new or empty (`--overwrite` replaces an
+earlier export there and nothing else): export never deletes what it did not write (`check_out`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,32 @@ def run_model_config(ckpt: str) -> ModelConfig:
         return _fill(ModelConfig(), json.load(f).get("model", {}), "model.")
 
 
+def check_out(out: str, ckpt: str, overwrite: bool) -> None:
+    """Export never deletes what it did not write: OUT is a new or empty folder, or (with
+    --overwrite) an earlier export; never `/`, the current directory or one above it, the
+    checkpoint's run directory or anything holding the checkpoint."""
+    from minirl.checkpoint import TOKENIZER_FILES
+    o, here, src = (os.path.realpath(x) for x in (out, os.getcwd(), ckpt))
+    run_dir = os.path.dirname(os.path.dirname(src))
+    if o in (os.sep, run_dir) or here == o or here.startswith(o + os.sep) or src == o or src.startswith(o + os.sep):
+        raise ConfigError(f"OUT={out!r} is the current directory, a folder above it, or holds the checkpoint or its "
+                          "run; give the export a folder of its own")
+    if not os.path.exists(o):
+        return
+    if not os.path.isdir(o):
+        raise ConfigError(f"OUT={out!r} is a file; give a folder")
+    names = os.listdir(o)
+    if not names:
+        return
+    if not overwrite:
+        raise ConfigError(f"OUT={out!r} is not empty; give a new folder, or --overwrite to replace an earlier export")
+    strangers = [n for n in names if not (os.path.isfile(os.path.join(o, n)) and
+                                          n.endswith((".safetensors", "README.md", *TOKENIZER_FILES)))]
+    if strangers or "config.json" not in names:
+        raise ConfigError(f"--overwrite: {out!r} does not hold an export (it has {sorted(strangers or names)[:3]}); "
+                          "nothing was deleted")
+
+
 def export(ckpt: str, out: str, model_path: str = "") -> str:
     from minirl import checkpoint, dist, models
     dist.init()
@@ -43,11 +70,14 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="minirl-export", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="minirl-export", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("checkpoint", help="a checkpoint folder: <run dir>/checkpoints/step_N")
     ap.add_argument("out", help="the Hugging Face folder to write")
     ap.add_argument("--model-path", default="", help="the model the checkpoint was trained from (default: the run's)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT (nothing else is "
+                    "ever deleted)")
     a = ap.parse_args(argv)
+    check_out(a.out, a.checkpoint, a.overwrite)  # before anything is loaded
     print(f"exported {a.checkpoint} to {export(a.checkpoint, a.out, a.model_path)}")
 
 

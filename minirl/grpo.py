@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from minirl import checkpoint, dist, launch, models, plan
+from minirl import checkpoint, dist, launch, models, plan, rundir
 from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.checkpoint import export_hf, model_card
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rl.deterministic:
         dist.set_deterministic()
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)
+    rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
                  tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict(),

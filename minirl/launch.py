@@ -3,7 +3,10 @@
 - `parse(cls, argv, description)`: tyro's flags for the dataclass `cls`. `--config FILE` (YAML or
   JSON, nested like the flags: `{"rl": {"lr": 1e-5}}`) gives the defaults and the flags beside it
   win, so a run's own config.json reruns that run and `--config run/config.json --steps 800`
-  continues the same recipe for longer. A key the dataclass does not have is an error naming it.
+  continues the same recipe for longer. A key the dataclass does not have, or a value its flag would
+  refuse, is an error naming it. A file never sets the run's own switches (`--log.run-dir`,
+  `--log.overwrite`, `--checkpoint.resume`, `--checkpoint.dir`): rerunning another run's config.json
+  must not write into, resume or wipe that run. YAML aliases and files over 1 MiB are refused.
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
   through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 3 with one
   line when a run stopped because it could no longer learn; 4 with one line when a rank lost a peer
@@ -18,23 +21,41 @@ import json
 import logging
 import os
 import sys
+import typing
 
 import tyro
 
 from minirl.config import ConfigError
 
 
+MAX_CONFIG_BYTES = 1 << 20
+# Switches that belong to one run: a config file (often another run's config.json) never carries them
+# into this one; only the command line sets them.
+PER_RUN = {("log", "run_dir"), ("log", "overwrite"), ("checkpoint", "resume"), ("checkpoint", "dir")}
+
+
 def _read(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path!r} is not a file")
-    with open(path) as f:
-        text = f.read()
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config={path!r} is over {MAX_CONFIG_BYTES >> 20} MiB; a config file holds flags")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml
+            # Aliases are refused before anything is built: nested ones expand exponentially (a 351-byte
+            # "billion laughs" file never finishes), and flags have no use for them.
+            if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text)):
+                raise ConfigError(f"--config={path!r}: YAML aliases (*name) are not supported; write the values out")
             data = yaml.safe_load(text)  # plain data only: never constructs objects
         else:
             data = json.loads(text)
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"--config={path!r}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'} "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
@@ -44,9 +65,11 @@ def _read(path: str) -> dict:
 
 
 def _fill(instance, data: dict, where: str, lenient: bool = False):
-    """`instance` with the values of `data` (nested dicts for nested dataclasses). `lenient`: skip
-    what this command does not have (another command's run config), instead of refusing it."""
+    """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
+    against its field's type as the flag's parser would (`_typed`). `lenient`: skip what this
+    command does not have (another command's run config), instead of refusing it."""
     fields = {f.name: f for f in dataclasses.fields(instance)}
+    types = typing.get_type_hints(type(instance))
     for key, value in data.items():
         name = key.replace("-", "_")
         current = getattr(instance, name, None)
@@ -59,8 +82,49 @@ def _fill(instance, data: dict, where: str, lenient: bool = False):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
             _fill(current, value, f"{where}{key}.", lenient)
         else:
-            setattr(instance, name, value)
+            setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
     return instance
+
+
+def _typed(value, tp, where: str):
+    """`value` as a flag of type `tp` would take it, or a ConfigError naming the key. Numbers may be
+    written as YAML 1.1 reads them as strings (`1e-4`); a bool is never taken for a number."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        return _typed(value, next(a for a in args if a is not type(None)), where)
+    wrong = ConfigError(f"--config: {where}={value!r} is not {_kind(tp)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise wrong
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise wrong
+        return origin(_typed(v, args[0], where) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp in (int, float):
+        if isinstance(value, str):
+            try:
+                value = int(value) if tp is int else float(value)
+            except ValueError:
+                raise wrong from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (tp is int and not isinstance(value, int)):
+            raise wrong
+        return tp(value)
+    if tp is str and not isinstance(value, str):
+        raise wrong
+    return value
+
+
+def _kind(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
@@ -73,6 +137,9 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             data = {k: v for k, v in _read(path).items() if k != "config"}
+            for section, key in PER_RUN:  # this run's own, never another's (a config.json reruns a recipe)
+                if isinstance(data.get(section), dict):
+                    data[section].pop(key, None)
             default = _fill(cls(), data, "", lenient)
             default.config = path
             break

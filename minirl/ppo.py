@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minirl import checkpoint, dist, launch, models, plan
+from minirl import checkpoint, dist, launch, models, plan, rundir
 from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule
 from minirl.batch import pack
 from minirl.config import PPOArgs
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
     make_task(args.task, args.seed, models.load_tokenizer(path), args.rollout.max_prompt_tokens)  # every prompt, now
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)  # a bad checkpoint fails here, early
+    rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     if args.grid.gpu_placement == "colocated":
         world = dist.init()
         dist.seed_everything(args.seed)

@@ -3,6 +3,7 @@ it), the console scripts' exit codes, and `minirl-eval` / `minirl-export` on a f
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -30,6 +31,58 @@ def test_a_config_file_sets_defaults_and_flags_beside_it_win(tmp_path):
         launch.parse(GRPOArgs, ["--config", str(tmp_path / "bad.json")], "")
     with pytest.raises(ConfigError, match="--rl.grad-accum is retired"):  # hidden from --help, refused by name
         launch.parse(GRPOArgs, ["--rl.grad-accum", "4"], "")
+
+
+def test_a_config_file_never_carries_the_runs_own_switches(tmp_path):
+    """Another run's config.json (run dir, overwrite, resume, checkpoint dir) reruns its recipe, never
+    into that run: the switches come only from the command line."""
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"steps": 801, "log": {"run_dir": "runs/demo", "overwrite": True, "every": 3},
+                             "checkpoint": {"resume": "auto", "dir": "runs/demo/checkpoints", "every": 5}}))
+    args = launch.parse(GRPOArgs, ["--config", str(f), "--steps", "2"], "")
+    default = GRPOArgs()
+    assert (args.steps, args.log.every, args.checkpoint.every) == (2, 3, 5)  # the recipe comes along
+    assert (args.log.run_dir, args.log.overwrite, args.checkpoint.resume, args.checkpoint.dir) == (
+        default.log.run_dir, False, "", "")
+    args = launch.parse(GRPOArgs, ["--config", str(f), "--log.run-dir", "x", "--log.overwrite"], "")
+    assert (args.log.run_dir, args.log.overwrite) == ("x", True)  # given on the command line, they count
+
+
+@pytest.mark.parametrize("text, says", [
+    ("steps: abc\n", "steps='abc' is not an integer"),
+    ("steps: 2.5\n", "steps=2.5 is not an integer"),
+    ("rl:\n  lr: [1]\n", "rl.lr=[1] is not a number"),
+    ("log:\n  tensorboard: 1\n", "log.tensorboard=1 is not true or false"),
+    ("rl:\n  lr_schedule: linear\n", "rl.lr_schedule='linear' is not one of 'constant', 'cosine'"),
+    ("a: &a [x, x]\nb: &b [*a, *a]\nc: &c [*b, *b]\n", "aliases"),
+])
+def test_config_values_are_checked_as_the_flags_are(tmp_path, text, says):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+
+
+def test_yaml_numbers_in_1_1_form_are_numbers(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 7\nrl:\n  lr: 1e-4\n  clip_eps: 2e-1\n")  # PyYAML reads 1e-4 as a string
+    args = launch.parse(GRPOArgs, ["--config", str(f)], "")
+    assert (args.steps, args.rl.lr, args.rl.clip_eps) == (7, 1e-4, 0.2) and isinstance(args.rl.lr, float)
+
+
+def test_a_yaml_bomb_exits_2_within_seconds(tmp_path):
+    """The 351-byte billion-laughs file: refused at once, before anything is expanded."""
+    import time
+    lol = ["a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]"]
+    for k, name in enumerate("bcdefghi"):
+        prev = "abcdefghi"[k]
+        lol.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lol) + "\n")
+    t0 = time.time()
+    p = run([script("minirl-grpo"), "--config", str(f), "--log.run-dir", str(tmp_path / "r")], timeout=60)
+    assert p.returncode == 2 and "aliases" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert time.time() - t0 < 30
 
 
 def test_console_scripts_exit_0_on_success_and_2_on_a_bad_flag(tmp_path):
@@ -89,3 +142,25 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     a, b = load_file(finished / "final" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_export_never_deletes_what_it_did_not_write(finished, tmp_path):
+    """OUT may be new or empty, or with --overwrite an earlier export; a folder of one's own files, the
+    run's own directory, the current directory and `/` are refused with one line, before any load."""
+    ckpt = str(finished / "checkpoints" / "step_00000002")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for out, flags, says in [(mine, [], "is not empty"), (mine, ["--overwrite"], "does not hold an export"),
+                             (finished, [], "holds the checkpoint or its run"), (".", [], "the current directory"),
+                             ("/", ["--overwrite"], "the current directory")]:
+        p = run([script("minirl-export"), ckpt, str(out), *flags], timeout=120)
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, (out, p.stderr)
+    assert os.listdir(mine) == ["notes.txt"] and (finished / "metrics.jsonl").exists()
+    out = tmp_path / "out"
+    assert run([script("minirl-export"), ckpt, str(out)], timeout=120).returncode == 0
+    assert run([script("minirl-export"), ckpt, str(out)], timeout=120).returncode == 2  # an export, but not told
+    assert run([script("minirl-export"), ckpt, str(out), "--overwrite"], timeout=120).returncode == 0
+    assert (out / "model.safetensors").exists()

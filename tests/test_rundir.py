@@ -1,0 +1,81 @@
+"""rundir.py: one live run owns a run directory; `--checkpoint.resume auto` without a checkpoint and
+`--log.overwrite` never lose or mix an old run's work."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TORCHRUN_VARS, run
+from minirl import rundir
+from minirl.config import ConfigError, GRPOArgs
+
+SMALL = ["--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0"]
+
+
+def finished_run(d):
+    """What a finished run without checkpoints leaves (the default --checkpoint.every 0)."""
+    os.makedirs(d / "final")
+    (d / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "reward_mean": 0.5}}\n' for s in range(801)))
+    (d / "final" / "model.safetensors").write_text("weights")
+    (d / "config.json").write_text("{}")
+    return (d / "metrics.jsonl").read_text()
+
+
+def test_resume_auto_on_a_run_without_checkpoints_keeps_it(tmp_path):
+    """It used to say "starting fresh", cut metrics.jsonl to one line and replace final/."""
+    history = finished_run(tmp_path)
+    p = run([sys.executable, "-m", "minirl.grpo", *SMALL, "--steps", "2", "--checkpoint.resume", "auto",
+             "--log.run-dir", str(tmp_path)], timeout=120)
+    assert p.returncode == 2 and "no complete checkpoint to resume" in p.stderr and "--log.overwrite" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == history
+    assert (tmp_path / "final" / "model.safetensors").read_text() == "weights"
+
+
+def test_overwrite_starts_the_run_dir_clean_of_the_old_run(tmp_path, monkeypatch):
+    """--log.overwrite removes the old run's history, final/, logs and checkpoints (so `auto` and the
+    step-numbered pruning can never meet them again), and nothing else in the folder."""
+    finished_run(tmp_path)
+    for step in (3, 4):
+        os.makedirs(tmp_path / "checkpoints" / f"step_{step:08d}")
+        (tmp_path / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("")
+    (tmp_path / "engine_rank0.log").write_text("old")
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.log.overwrite = str(tmp_path), True
+    rundir.claim(args, None)
+    assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
+
+
+def test_overwrite_and_resume_together_are_refused():
+    args = GRPOArgs()
+    args.log.overwrite, args.checkpoint.resume = True, "auto"
+    with pytest.raises(ConfigError, match="--log.overwrite starts over"):
+        args.validate(1)
+
+
+def test_a_second_run_on_a_live_runs_dir_exits_2_and_a_dead_run_leaves_no_lock(tmp_path):
+    """Two runs started on one run dir: the second exits 2 at once, naming the live one; once the first
+    is killed (-9, no clean-up), the directory can be claimed again."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    first = subprocess.Popen([sys.executable, "-m", "minirl.grpo", *SMALL, "--steps", "500", "--log.run-dir",
+                              str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not rundir.holds_run(str(tmp_path)):
+            time.sleep(0.5)
+        assert rundir.holds_run(str(tmp_path)), "the first run never logged a step"
+        before = (tmp_path / "metrics.jsonl").read_text()
+        p = run([sys.executable, "-m", "minirl.grpo", *SMALL, "--steps", "2", "--log.run-dir", str(tmp_path),
+                 "--log.overwrite"], timeout=120)
+        assert p.returncode == 2 and "in use by a live run" in p.stderr and f"pid {first.pid}" in p.stderr, p.stderr
+        assert (tmp_path / "metrics.jsonl").read_text().startswith(before)  # the live run's history untouched
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    rundir.lock(str(tmp_path))  # the kernel released the dead run's lock
