@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -308,9 +309,35 @@ class GRPOArgs(Launch):
         return self
 
 
+def _check_numbers(obj, prefix: str = "--") -> None:
+    """Every number flag at once: a float must be finite (NaN and inf are refused, never trained
+    with), an integer (a count, a size, a step, the seed) must be >= 0."""
+    for f in dataclasses.fields(obj):
+        value, flag = getattr(obj, f.name), prefix + f.name.replace("_", "-")
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, flag + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag}={value} must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{flag}={value} must be >= 0")
+
+
 def _check_run(args) -> None:
-    """The checks GRPO and PPO share: sampling, task file, checkpoint and log flags, the run directory
-    (a file, not writable, or holding a run that is neither resumed nor overwritten), the dry run's world."""
+    """The checks GRPO and PPO share: every number's range, sampling, task file, checkpoint and log
+    flags, the run directory (a file, not writable, or holding a run that is neither resumed nor
+    overwritten), the dry run's world."""
+    _check_numbers(args)
+    t, r = args.model.tiny, args.rollout
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
+        _positive(f"--model.tiny.{name.replace('_', '-')}", getattr(t, name))
+    _positive("--rollout.max-prompt-tokens", r.max_prompt_tokens)
+    _positive("--rollout.kv-cache-gib", r.kv_cache_gib)
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--rollout.gpu-memory-utilization={r.gpu_memory_utilization} must be in (0, 1]")
+    if not args.log.run_dir.strip():
+        raise ConfigError("--log.run-dir is empty; give a directory")
+    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise ConfigError(f"--checkpoint.dir={args.checkpoint_dir!r} is a file; give a directory")
     if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
         raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
     if args.log.overwrite and args.checkpoint.resume:

@@ -431,9 +431,25 @@ def quietly(fn) -> None:
 
 
 def sigterm_flag():
-    """SIGTERM (torchrun forwards it to every rank) asks for an emergency save at the next step
-    boundary. Returns a check that every rank of the default group calls at the same point; they
-    agree through a max all-reduce, so they all save and stop, or none does."""
+    """SIGTERM (torchrun forwards it to every rank) or a first Ctrl-C (SIGINT) asks for an emergency
+    save at the next step boundary; a second Ctrl-C stops at once. Returns a check that every rank of
+    the default group calls at the same point; they agree through a max all-reduce, so they all save
+    and stop, or none does. The check's `name` says which signal came ("SIGTERM", "Ctrl-C")."""
     got = []
-    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
-    return lambda: bool(all_reduce(torch.tensor([float(bool(got))]), "max").item())
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGINT:
+            if got:  # the second Ctrl-C: the user does not want to wait for the save
+                raise KeyboardInterrupt
+            print("Ctrl-C: saving a checkpoint at the end of this step, then exiting (Ctrl-C again to stop now)",
+                  file=sys.stderr, flush=True)
+        got.append("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def check() -> bool:
+        check.name = got[0] if got else "SIGTERM"
+        return bool(all_reduce(torch.tensor([float(bool(got))]), "max").item())
+    check.name = "SIGTERM"
+    return check

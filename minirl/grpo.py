@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             log.write(record)
             stall.step(stepped, step)  # raises after --rl.max-skipped-steps steps without an update
             if terminate:
-                log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
+                log.info(f"{stop.name}: saved {args.checkpoint_dir} at step {step + 1}; exiting")
                 break
             if args.log.target_eval_accuracy and record.get("eval_accuracy", 0.0) >= args.log.target_eval_accuracy:
                 log.info(f"eval_accuracy {record['eval_accuracy']:.3f} reached --log.target-eval-accuracy; stopping")

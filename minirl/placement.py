@@ -223,7 +223,8 @@ class _Term:
         self.at = None                       # when SIGTERM came (monotonic)
         self.beat, self.heard = None, None   # the last beat seen, and when it changed (this host's clock)
         self.next_look = 0.0
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "at", self.at or time.monotonic()))
+        for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches every rank: serve on while the trainer saves
+            signal.signal(sig, lambda *_: setattr(self, "at", self.at or time.monotonic()))
 
     def trainer_gone(self) -> bool:
         if self.store.check(["stop"]):

@@ -178,7 +178,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
                 with log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
                     source.save(save)
             if terminate:
-                log.info(f"SIGTERM: saved {args.checkpoint_dir} at step {step + 1}; exiting")
+                log.info(f"{stop.name}: saved {args.checkpoint_dir} at step {step + 1}; exiting")
                 break
             target = args.log.target_eval_accuracy
             reached = target and record.get("eval_accuracy", 0.0) >= target

@@ -16,6 +16,17 @@ TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """The loops install SIGTERM and SIGINT handlers (emergency saves); an in-process test leaves
+    the next test pytest's own."""
+    import signal
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     from minirl.config import ModelConfig
@@ -80,11 +91,12 @@ def toy_logprobs(model, ids):
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300) -> tuple[int, str]:
-    """Start `cmd`, send it SIGTERM once `metrics` (a metrics.jsonl) holds `records` lines that
-    have a step's reward, and return (exit code, its stdout and stderr together)."""
+def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300, sig=None) -> tuple[int, str]:
+    """Start `cmd`, send it SIGTERM (or `sig`) once `metrics` (a metrics.jsonl) holds `records` lines
+    that have a step's reward, and return (exit code, its stdout and stderr together)."""
     import signal
     import time
+    sig = sig or signal.SIGTERM
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -92,7 +104,7 @@ def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300
     while time.time() < deadline and (not os.path.exists(metrics) or
                                       sum("reward_mean" in line for line in open(metrics)) < records):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out + err
 

@@ -210,14 +210,17 @@ def test_partial_and_corrupt_checkpoints_are_refused_by_name(straight, tmp_path)
 
 
 @e2e
-def test_sigterm_saves_and_exits(tmp_path):
+@pytest.mark.parametrize("sig, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_sigterm_saves_and_exits(tmp_path, sig, name):
+    """A scheduler's SIGTERM, or a first Ctrl-C at the terminal: a checkpoint of the steps done at the
+    next step boundary, a line saying so, exit 0 (Ctrl-C used to print a traceback and save nothing)."""
     metrics = tmp_path / "metrics.jsonl"
     code, err = sigterm_after([sys.executable, "-m", "minirl.grpo", *BASE, "--steps", "500", "--checkpoint.every",
-                               "0", "--log.run-dir", str(tmp_path)], str(metrics), records=2)
+                               "0", "--log.run-dir", str(tmp_path)], str(metrics), records=2, sig=sig)
     assert code == 0, err[-3000:]
     last = json.loads(metrics.read_text().strip().splitlines()[-1])["step"]
     assert os.listdir(tmp_path / "checkpoints") == [f"step_{last + 1:08d}"]
-    assert "SIGTERM" in err
+    assert f"{name}: saved" in err and "Traceback" not in err
 
 
 @e2e

@@ -141,3 +141,36 @@ def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_pa
     a.checkpoint.resume, a.log.overwrite = "", True
     a.validate(1)
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # validation never touches it
+
+
+@pytest.mark.parametrize("cls, path, value, says", [
+    (GRPOArgs, "rollout.kv_cache_gib", float("nan"), "--rollout.kv-cache-gib=nan must be a finite number"),
+    (GRPOArgs, "rl.kl_coef", float("inf"), "--rl.kl-coef=inf must be a finite number"),
+    (GRPOArgs, "rl.lr", float("inf"), "--rl.lr=inf must be a finite number"),
+    (PPOArgs, "ppo.value_lr", float("nan"), "--ppo.value-lr=nan must be"),
+    (GRPOArgs, "model.tiny.num_heads", 0, "--model.tiny.num-heads=0 must be > 0"),
+    (GRPOArgs, "seed", -1, "--seed=-1 must be >= 0"),
+    (GRPOArgs, "task.eval_prompts", -1, "--task.eval-prompts=-1 must be >= 0"),
+    (PPOArgs, "async_rl.sampler.max_lookahead_versions", -2, "--async-rl.sampler.max-lookahead-versions"),
+    (GRPOArgs, "rollout.max_prompt_tokens", 0, "--rollout.max-prompt-tokens=0 must be > 0"),
+    (GRPOArgs, "log.run_dir", "", "--log.run-dir is empty"),
+])
+def test_every_number_and_path_is_range_checked_before_any_build(cls, path, value, says):
+    """No NaN or inf, no negative count, no zero size: one line naming the flag, from validate()."""
+    import re
+    a = cls()
+    *parents, name = path.split(".")
+    obj = a
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, name, value)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        a.validate(2 if cls is PPOArgs else 1)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_the_first_save(tmp_path):
+    a = GRPOArgs()
+    a.log.run_dir, a.checkpoint.dir = str(tmp_path / "run"), str(tmp_path / "file")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--checkpoint.dir=.* is a file"):
+        a.validate(1)

@@ -303,18 +303,13 @@ class FailingEngine(RecordingEngine):
 
 
 def grpo_main_with(engine_cls, monkeypatch, tmp_path, *flags):
-    import signal
 
     from minirl import grpo
     built = []
     monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(engine_cls(*a, **k)) or built[-1])
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(RuntimeError) as raised:
-            grpo.main(["--steps", "3", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
-                       "--log.run-dir", str(tmp_path / "run"), *flags])
-    finally:
-        signal.signal(signal.SIGTERM, handler)  # grpo.main installs its SIGTERM handler
+    with pytest.raises(RuntimeError) as raised:
+        grpo.main(["--steps", "3", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+                   "--log.run-dir", str(tmp_path / "run"), *flags])
     return raised.value, built[0]
 
 
@@ -355,9 +350,10 @@ class ScriptedEngine(RecordingEngine):
         super().generate()  # recorded; refused unless awake with fresh weights
         g = torch.Generator().manual_seed(sum(prompt_ids) + len(self.log))
         rows = len(prompts) * group_size
-        comps = [torch.randint(3, 30, (int(n),), generator=g).tolist() for n in torch.randint(1, 5, (rows,), generator=g)]
-        return Samples([i for i in prompt_ids for _ in range(group_size)], [p for p in prompts for _ in range(group_size)],
-                       comps, [[-1.0] * len(c) for c in comps], ["stop"] * rows)
+        lengths = torch.randint(1, 5, (rows,), generator=g).tolist()
+        comps = [torch.randint(3, 30, (n,), generator=g).tolist() for n in lengths]
+        each = lambda xs: [x for x in xs for _ in range(group_size)]  # noqa: E731  (row i*G + j is prompt i's)
+        return Samples(each(prompt_ids), each(prompts), comps, [[-1.0] * n for n in lengths], ["stop"] * rows)
 
     def close(self):
         pass
@@ -366,18 +362,13 @@ class ScriptedEngine(RecordingEngine):
 def test_a_scheduled_save_at_a_boundary_without_validation_runs_before_publication(world, tmp_path, monkeypatch):
     """B22 through grpo.main: every step's checkpoint is written while the engine sleeps and the trainer
     holds the card, before the step's one publication; no second sleep for it."""
-    import signal
 
     from minirl import checkpoint, grpo
     built = []
     monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(ScriptedEngine(*a, **k)) or built[-1])
     save = checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda *a, **k: (built[0].log.append("save"), save(*a, **k))[1])
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        grpo.main(["--steps", "2", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
-                   "--checkpoint.every", "1", "--log.run-dir", str(tmp_path / "run")])
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    grpo.main(["--steps", "2", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+               "--checkpoint.every", "1", "--log.run-dir", str(tmp_path / "run")])
     step = ["generate", "sleep:1", "save", "wake:weights", "load_weights", "wake:kv_cache"]
     assert built[0].log == step * 2 + ["sleep:1"]  # the end hands the card to the export

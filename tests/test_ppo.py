@@ -77,7 +77,6 @@ def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, w
     """Per step: the chunk, then the policy update and refit, the critic epochs (S9: refit first on
     separate rollout ranks; S13: refit after the critic when colocated), and only then the groups'
     release, the step's log record and the checkpoint (S11)."""
-    import signal
 
     from minirl import ppo
     from minirl.logger import RunLog
@@ -89,11 +88,7 @@ def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, w
     args = PPOArgs()
     args.steps, args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt = 2, 2, 2
     args.ppo.critic_ppo_epochs, args.checkpoint.every, args.log.run_dir = 1, 1, str(tmp_path)
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        ppo.train(args, tiny_path, world, RecordingSource(args, colocated, events), resume=None)
-    finally:
-        signal.signal(signal.SIGTERM, handler)  # ppo.train installs its SIGTERM handler
+    ppo.train(args, tiny_path, world, RecordingSource(args, colocated, events), resume=None)
     update = ["critic", "refit"] if colocated else ["refit", "critic"]
     step = ["chunk", *update, "release", "log", "save"]
     assert events == ["start", *step, *step, "stop"], events
@@ -118,14 +113,9 @@ def small_ppo_args(tmp_path, steps):
 
 
 def train_in_process(args, tiny_path, world, source):
-    import signal
 
     from minirl import ppo
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        ppo.train(args, tiny_path, world, source, resume=None)
-    finally:
-        signal.signal(signal.SIGTERM, handler)  # ppo.train installs its SIGTERM handler
+    ppo.train(args, tiny_path, world, source, resume=None)
     return [json.loads(line) for line in open(args.log.run_dir + "/metrics.jsonl") if "reward_mean" in line]
 
 
@@ -212,14 +202,9 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
     source, engine = colocated_source(args, world, monkeypatch)
     load = checkpoint.load
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (engine.log.append("load"), load(*a, **k))[1])
-    import signal
 
     from minirl import ppo
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        ppo.train(args, tiny_path, world, source, resume=ckpt)
-    finally:
-        signal.signal(signal.SIGTERM, handler)
+    ppo.train(args, tiny_path, world, source, resume=ckpt)
     assert engine.log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
 
 
