@@ -6,9 +6,11 @@ Contract:
   the folder to `step_<N>/` (N = loop steps done). A crash at any point leaves either the
   previous complete checkpoint or a `.tmp`/unmarked folder that is never loaded. The newest
   `keep` complete checkpoints are kept.
-- `find(resume, dir)`: "" = fresh; "auto" = the newest complete checkpoint (fresh if none); else
-  a folder, which must be complete. `load` raises CheckpointError naming the folder when it is
-  partial or unreadable, before the run touches anything.
+- `find(resume, dir, loop, world_size)`: "" = fresh; "auto" = the newest complete checkpoint that
+  passes `check` (fresh if none; broken ones are skipped with a line); else a folder, which must be
+  complete and pass `check`: loop state whole, the same loop and world size, every shard present
+  and non-empty, all told from the files before the model or the engine is built. `load` raises
+  CheckpointError naming the folder when it is still unreadable, before the run touches anything.
 - Nothing is unpickled blindly. torch's DCP reads a checkpoint's `.metadata` with plain
   `pickle.load` and its non-tensor items with `torch.load(weights_only=False)`, so a crafted
   checkpoint could run code on resume. `load` reads `.metadata` with an unpickler that admits only
@@ -53,17 +55,63 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def find(resume: str, ckpt_dir: str) -> str | None:
+def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | None = None) -> str | None:
+    """The checkpoint to resume, checked (`check`) before anything is built when `loop` is given:
+    an explicit folder that fails is refused; `auto` takes the newest complete one that passes,
+    saying which broken ones it skipped."""
     if not resume:
         return None
     if resume != "auto":
         if not os.path.isdir(resume) or not _complete(resume):
             raise CheckpointError(f"--checkpoint.resume={resume!r}: not a complete checkpoint "
                                   f"(no {MARKER} marker: the save was interrupted); use an earlier one or `auto`")
+        if loop:
+            check(resume, loop, world_size)
         return resume
     done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")
                   and _complete(os.path.join(ckpt_dir, d))) if os.path.isdir(ckpt_dir) else []
-    return os.path.join(ckpt_dir, done[-1]) if done else None
+    for d in reversed(done):
+        try:
+            if loop:
+                check(os.path.join(ckpt_dir, d), loop, world_size)
+            return os.path.join(ckpt_dir, d)
+        except CheckpointError as e:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"--checkpoint.resume auto: skipping {e}", flush=True)
+    return None
+
+
+LOOP_KEYS = {"grpo": ("optimizer_steps", "skipped", "probe_done"), "ppo": ()}  # what each loop's resume reads
+
+
+def check(path: str, loop: str, world_size: int) -> None:
+    """What a complete checkpoint must be for this run, told from its files alone (nothing is built
+    yet): its loop state whole and written by this loop (`grpo` or `ppo`) at this world size (the
+    train ranks), and every rank's DCP shard and RNG state present and non-empty."""
+    try:
+        with open(os.path.join(path, "loop_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e})") from e
+    if state.get("loop", loop) != loop:
+        raise CheckpointError(f"checkpoint {path} was written by minirl.{state['loop']}; this is minirl.{loop}")
+    missing = [k for k in ("steps_done", "world_size", "python_rng", "numpy_rng", *LOOP_KEYS[loop]) if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: loop_state.json has no {', '.join(missing)}"
+                              + (" (a minirl.ppo checkpoint?)" if loop == "grpo" and "loop" not in state else ""))
+    if world_size is not None and state["world_size"] != world_size:
+        raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} train rank(s); this run has "
+                              f"{world_size}: launch with {state['world_size']}, or start fresh")
+    names = os.listdir(path)
+    for r in range(state["world_size"]):
+        shards = [n for n in names if n.startswith(f"__{r}_") and n.endswith(".distcp")]
+        for n in shards + [f"rng_rank{r}.safetensors", ".metadata"]:
+            if n not in names or os.path.getsize(os.path.join(path, n)) == 0:
+                raise CheckpointError(f"checkpoint {path}: {n} is missing or empty (a lost or cut-short file); "
+                                      "resume from an earlier one")
+        if not shards:
+            raise CheckpointError(f"checkpoint {path}: rank {r}'s shard (__{r}_*.distcp) is missing; "
+                                  "resume from an earlier one")
 
 
 def steps_done(path: str) -> int:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens)  # every prompt checked now
     if args.rl.deterministic:
         dist.set_deterministic()
-    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)
+    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "grpo", world.world_size)  # checked now
     rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save() -> None:
         checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
-                        loop_state={"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
+                        loop_state={"loop": "grpo", "optimizer_steps": acc.steps, "skipped": acc.skipped,
+                                    "probe_done": probe.done})
 
     def evaluate() -> float:  # greedy accuracy on the held-out prompts (a collective over the ranks)
         return held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens, world.rank, world.world_size)

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
     make_task(args.task, args.seed, models.load_tokenizer(path), args.rollout.max_prompt_tokens)  # every prompt, now
-    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir)  # a bad checkpoint fails here, early
+    train_ranks = world_size - (args.grid.rollout_ranks if args.grid.gpu_placement == "disaggregated" else 0)
+    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "ppo", train_ranks)  # checked here, early
     rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     if args.grid.gpu_placement == "colocated":
         world = dist.init()
@@ -99,7 +100,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     def save() -> None:  # between steps only: the counters advanced, both models are resident (S11)
         for o in offload:
             o.onload()
-        checkpoint.save(args.checkpoint_dir, step + 1, parts, {}, args.checkpoint.keep)
+        checkpoint.save(args.checkpoint_dir, step + 1, parts, {"loop": "ppo"}, args.checkpoint.keep)
 
     stop, terminate = dist.sigterm_flag(), False
     stall = Stall(p.max_skipped_steps, f"a learning rate too high for this model (--ppo.lr={p.lr}) or non-finite "

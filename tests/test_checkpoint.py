@@ -252,3 +252,48 @@ def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, wo
     ref = models.load_policy(tiny_path)
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ref.state_dict().values(),
                                                                      back.state_dict().values()))
+
+
+def two_checkpoints(tmp_path, world, tiny_path, loop_state):
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    parts = {"policy": (policy, models.adamw(policy, 1e-4))}
+    return [checkpoint.save(str(tmp_path / "checkpoints"), s, parts, loop_state, keep=5) for s in (1, 2)]
+
+
+GRPO_STATE = {"loop": "grpo", "optimizer_steps": 1, "skipped": 0, "probe_done": False}
+
+
+def test_auto_skips_a_complete_checkpoint_with_a_missing_or_empty_shard(tmp_path, world, tiny_path, capsys):
+    """A COMPLETE marker but a lost or empty file: `auto` says so and takes the previous one; asked for
+    by name it is refused naming the file. Told from the files, before anything is built."""
+    first, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
+    shard = next(n for n in os.listdir(second) if n.endswith(".distcp"))
+    open(os.path.join(second, shard), "w").close()  # emptied
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1) == first
+    assert f"skipping checkpoint {second}: {shard} is missing or empty" in capsys.readouterr().out
+    os.remove(os.path.join(second, shard))
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank 0's shard \(__0_\*\.distcp\) is missing"):
+        checkpoint.find(second, "", "grpo", 1)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: s.pop("optimizer_steps"), "loop_state.json has no optimizer_steps"),
+    (lambda s: s.update(loop="ppo"), "written by minirl.ppo; this is minirl.grpo"),
+    (lambda s: s.update(world_size=4), "written by 4 train rank(s); this run has 1"),
+])
+def test_a_checkpoint_of_another_loop_world_or_an_incomplete_loop_state_is_refused_by_its_files(
+        tmp_path, world, tiny_path, change, says):
+    _, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
+    path = os.path.join(second, "loop_state.json")
+    state = json.load(open(path))
+    change(state)
+    json.dump(state, open(path, "w"))
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(says)):
+        checkpoint.find(second, "", "grpo", 1)
+
+
+def test_a_grpo_resume_from_a_ppo_checkpoint_fails_before_the_model_is_built(tmp_path, world, tiny_path):
+    _, second = two_checkpoints(tmp_path, world, tiny_path, {"loop": "ppo"})
+    p = grpo(tmp_path / "run", "--steps", "4", "--checkpoint.resume", second)
+    assert p.returncode == 2 and "written by minirl.ppo" in p.stderr and "Traceback" not in p.stderr
+    assert "loading the policy" not in p.stdout  # refused before anything was built
