@@ -465,7 +465,7 @@ class PPOConfig:
     size, as for the policy. Lower it if critic training runs out of memory."""
     use_rollout_logprobs_for_loss: bool = False
     """Use the engine's sampling logprobs as pi_old instead of the trainer's own (on GPUs they differ:
-    bf16 kernels; `ppo_logprob_gap` shows by how much)."""
+    bf16 kernels; the step's `logprob_gap` in metrics.jsonl shows by how much)."""
     colocated_offload: bool = True
     """Colocated full batch: the engine sleeps while policy and value train (CUDA frees its memory)."""
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)

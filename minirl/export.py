@@ -65,7 +65,9 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
     path = models.resolve_path(cfg)
     policy = models.load_policy(path)
     checkpoint.load_model(ckpt, "policy", policy)
-    checkpoint.export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype])
+    card = {"name": f"{os.path.basename(os.path.abspath(ckpt))} (exported)", "base model": cfg.path,
+            "checkpoint": os.path.abspath(ckpt), "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype}
+    checkpoint.export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], card=card)
     return out
 
 

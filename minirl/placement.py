@@ -2,7 +2,7 @@
 
 The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
 (yields (groups taken, this rank's group tensors)), `refit(version, policy)`, `release(step)`,
-`evals(version)`, `save(fn)`; and `start` (which runs a resumed run's checkpoint load when the
+`evals(version)`, `save(fn)`, `rollout_memory_gib()` (the rollout ranks' memory peak); and `start` (which runs a resumed run's checkpoint load when the
 placement allows it, B25), `stop`, `cleanup`, `close` around the run.
 
 - disaggregated (`StoreGroups` on the train ranks, `rollout_rank` on the others): ranks [0, R)
@@ -44,7 +44,7 @@ from safetensors.torch import save as st_save
 
 from minirl import dist, models, refit
 from minirl.config import PPOArgs
-from minirl.logger import engine_log
+from minirl.logger import engine_log, memory_peak_gib
 from minirl.offload import HandOff
 from minirl.rollout import Engine, Samples
 from minirl.sampler import Group, ReadyGroups
@@ -139,6 +139,11 @@ class StoreGroups:
     def save(self, fn) -> None:
         fn()
 
+    def rollout_memory_gib(self) -> float:
+        """The largest memory peak the rollout ranks have posted (`memory/{r}`; controller only)."""
+        keys = [f"memory/{r}" for r in range(self.args.grid.rollout_ranks)]
+        return max([float(self.store.get(k)) for k in keys if self.world.is_main and self.store.check([k])] or [0.0])
+
     def stop(self) -> None:
         if self.world.is_main:
             self.store.set("stop", b"1")  # lets the rollout ranks leave their waits
@@ -175,7 +180,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         if start == 0:
             evaluate(0)                  # the starting weights
         mine = [i for i in range(P) if i % R == roles.global_rank]
-        k = args.async_rl.rollout_groups_per_call
+        k, peak = args.async_rl.rollout_groups_per_call, 0.0
         for step in range(start, args.steps):
             for first in range(0, len(mine), k):
                 need = step - args.async_rl.sampler.max_lookahead_versions  # S23
@@ -184,6 +189,8 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
                     return  # the trainer stopped: --log.target-eval-accuracy, SIGTERM, a failure
                 for i, g in _generate(engine, task, tok, mine[first:first + k], step, args, version):
                     put(store, f"group/{step}/{i}", st_save(g))
+                peak = max(peak, memory_peak_gib(roles.devices.engine))  # the trainer logs the max over ranks
+                store.set(f"memory/{roles.global_rank}", str(peak))
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:
             return
@@ -371,6 +378,9 @@ class EngineGroups:
 
     def final_eval(self, steps: int) -> dict:
         return {}  # `evals` scored the last version already
+
+    def rollout_memory_gib(self) -> float:
+        return 0.0  # each rank's engine is in its own process's peak
 
     def save(self, fn) -> None:
         self.handoff.save_after_publication(fn)

@@ -163,9 +163,12 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             dt = time.perf_counter() - t0
             rolled = across_ranks(out)
             entropy, gap = rolled.pop("ppo_entropy", None), rolled.pop("ppo_logprob_gap", None)
+            rollout_peak = source.rollout_memory_gib()  # separate rollout ranks' engines (0: none)
             record = {"step": step, **samples, "prompt_len_mean": prompts / (P * p.num_generations_per_prompt),
                       **rolled, "entropy": entropy, "logprob_gap": gap, "lr": policy_opt.param_groups[0]["lr"],
-                      "value_lr": value_opt.param_groups[0]["lr"], "memory_peak_gib": memory_peak_gib(world.device),
+                      "value_lr": value_opt.param_groups[0]["lr"],
+                      "memory_peak_gib": max(memory_peak_gib(world.device), rollout_peak),
+                      "rollout_memory_peak_gib": rollout_peak or None,
                       "critic_warmup": warmup, "groups_consumed": consumed, "time/step": dt,
                       "tokens_per_s": samples["completion_len_mean"] * P * p.num_generations_per_prompt / dt,
                       "time/wait_first_chunk": (t_first_chunk or t0) - t0, **source.evals(step + 1)}

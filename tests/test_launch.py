@@ -142,6 +142,8 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     a, b = load_file(finished / "final" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o644"
+    card = (tmp_path / "out" / "README.md").read_text()  # the model card the README promises
+    assert "step_00000002 (exported)" in card and "| steps | 2 |" in card
 
 
 @pytest.mark.vllm

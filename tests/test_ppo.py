@@ -57,6 +57,9 @@ class RecordingSource:
     def final_eval(self, steps):
         return {}
 
+    def rollout_memory_gib(self):
+        return 0.0
+
     def save(self, fn):
         self.events.append("save")
         fn()
@@ -231,6 +234,7 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
             assert key in r, key
     assert any("eval_accuracy" in r for r in recs)
     assert (tmp_path / "final" / "model.safetensors").exists()
+    assert all(r["memory_peak_gib"] >= r["rollout_memory_peak_gib"] > 0.1 for r in steps)  # the engines' too
 
 
 @e2e
