@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> float:
         max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
         check_model(path, args.rollout, max_model_len)
         tok = models.load_tokenizer(path)
-        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens)
+        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=True)
         engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed)
         try:
             accuracy = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens)

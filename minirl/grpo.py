@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
     check_model(path, args.rollout, max_model_len, head_dim_flag="--model.tiny.num-heads")
     tok = models.load_tokenizer(path)
-    task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens)  # every prompt checked now
+    task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=bool(args.log.eval_every))
     if args.rl.deterministic:
         dist.set_deterministic()
     resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "grpo", world.world_size)  # checked now

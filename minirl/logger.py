@@ -56,8 +56,12 @@ class RunLog:
             path = os.path.join(run_dir, "metrics.jsonl")
             kept = []
             if start_step and os.path.exists(path):  # a resumed run keeps the steps it does not re-run
-                with open(path) as f:
-                    kept = [line for line in f if line.strip() and _step(line) < start_step]
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        kept = [line for line in f if line.strip() and _step(line) < start_step]
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), so its history cannot "
+                                      "be kept; move it aside to resume without it") from e
             with open(path + ".tmp", "w") as f:
                 f.writelines(kept)
                 f.flush()

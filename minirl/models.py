@@ -60,16 +60,23 @@ def resolve_path(cfg: ModelConfig) -> str:
 
 
 def check_folder(path: str) -> None:
-    """A Hugging Face model folder minirl can load: a config.json that parses, whole safetensors files."""
+    """A Hugging Face model folder minirl can load: a config.json that parses and names its model type,
+    a tokenizer, whole safetensors files."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")
     try:
         with open(config) as f:
-            json.load(f)
+            hf = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"--model.path: {config} is not valid JSON ({e})") from e
-    for name in sorted(os.listdir(path)):
+    if not isinstance(hf, dict) or "model_type" not in hf:
+        raise ConfigError(f"--model.path: {config} names no model_type: not a Hugging Face model config")
+    names = os.listdir(path)
+    if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise ConfigError(f"--model.path={path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                          "copy the base model's tokenizer files beside its weights")
+    for name in sorted(names):
         if name.endswith(".safetensors"):
             _check_safetensors(os.path.join(path, name))
 

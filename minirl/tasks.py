@@ -130,27 +130,32 @@ class JsonlTask:
 
     @classmethod
     def _read(cls, path: str, flag: str, tok, limit: int) -> list[Problem]:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}); convert it, "
+                              "e.g. iconv -t utf-8") from e
         rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{flag}: {path}:{n}"
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not JSON ({e})") from e
-                if not isinstance(r, dict):
-                    raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
-                                      f"{type(r).__name__}")
-                for key in ("prompt", "answer"):
-                    if not isinstance(r.get(key), str):
-                        got = "missing" if key not in r else f"a {type(r[key]).__name__}"
-                        raise ConfigError(f"{where}: \"{key}\" must be a string, got {got}")
-                if tok is not None and limit and len(tok(r["prompt"], add_special_tokens=False).input_ids) > limit:
-                    raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
-                                      "raise the flag or shorten the prompt")
-                rows.append(Problem(r["prompt"], cls._reference(r["answer"])))
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{flag}: {path}:{n}"
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not JSON ({e})") from e
+            if not isinstance(r, dict):
+                raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
+                                  f"{type(r).__name__}")
+            for key in ("prompt", "answer"):
+                if not isinstance(r.get(key), str):
+                    got = "missing" if key not in r else f"a {type(r[key]).__name__}"
+                    raise ConfigError(f"{where}: \"{key}\" must be a string, got {got}")
+            if tok is not None and limit and len(tok(r["prompt"], add_special_tokens=False).input_ids) > limit:
+                raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
+                                  "raise the flag or shorten the prompt")
+            rows.append(Problem(r["prompt"], cls._reference(r["answer"])))
         return rows
 
     @staticmethod
@@ -221,11 +226,19 @@ def held_out_accuracy(engine, task, tok, limit: int, rank: int = 0, world: int =
     return (tot[0] / tot[1].clamp_min(1)).item()
 
 
-def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0):
-    """The task, every prompt checked against the prompt budget `limit` when `tok` is given."""
+def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: bool = False):
+    """The task, every prompt checked against the prompt budget `limit` when `tok` is given.
+    `evaluates` (--log.eval-every > 0): a held-out set must exist, or no eval_accuracy could mean anything."""
     if cfg.name == "count":
         if limit and limit < CountTask.max_len + 3:
             raise ConfigError(f"--rollout.max-prompt-tokens={limit}: the built-in task's prompts take up to "
                               f"{CountTask.max_len + 3} tokens")
-        return CountTask(seed, cfg.eval_prompts)
-    return JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit)
+        task = CountTask(seed, cfg.eval_prompts)
+    else:
+        task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit)
+    if evaluates and not task.eval_set:
+        why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
+               f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
+        raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path, raise --task.eval-prompts, "
+                          "or turn evaluation off with --log.eval-every 0")
+    return task

@@ -1,6 +1,8 @@
 """models.py: the chosen tokens' logprobs without the full-vocabulary logits of the whole micro-batch
 (equal to the plain log-softmax path, values and gradients)."""
 
+import os
+
 import pytest
 import torch
 
@@ -166,3 +168,19 @@ def test_entropy_from_the_chunked_head_equals_the_full_distributions(tiny_path, 
     lp_ref, ent_ref = models.plain_token_logprobs(model, ids, entropy=True)
     assert (lp - lp_ref).abs().max().item() < 1e-6 and (ent - ent_ref).abs().max().item() < 1e-5
     assert not ent.requires_grad and (ent[:, 1:] > 0).all() and (ent[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("broken, says", [
+    (lambda d: (d / "config.json").write_text("{}"), "names no model_type"),
+    (lambda d: [os.remove(d / n) for n in os.listdir(d) if n.startswith(("tokenizer", "vocab", "special", "merges"))],
+     "has no tokenizer"),
+])
+def test_a_model_folder_without_a_model_type_or_a_tokenizer_is_refused_before_loading(tiny_path, tmp_path, broken,
+                                                                                       says):
+    """A config.json of `{}` and a folder without tokenizer files: one line naming the folder, before
+    any load (they used to fail deep in transformers, or at step 0 with "The decoder prompt cannot be empty")."""
+    from minirl.config import ConfigError, ModelConfig
+    d = copy_of(tiny_path, tmp_path)
+    broken(d)
+    with pytest.raises(ConfigError, match=says):
+        models.resolve_path(ModelConfig(path=str(d)))

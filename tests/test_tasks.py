@@ -101,3 +101,22 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
         make_task(cfg, 0, load_tokenizer(tiny_path), 32)
     with pytest.raises(ConfigError, match=r"--rollout\.max-prompt-tokens=8: the built-in task's prompts take up to 12"):
         make_task(TaskConfig(), 0, load_tokenizer(tiny_path), 8)
+
+
+def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes('{"prompt": "caf\u00e9 #a=", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"--task\.path=.*latin1\.jsonl.*not UTF-8 text"):
+        JsonlTask(str(f), seed=0, eval_prompts=0)
+
+
+def test_a_run_that_evaluates_needs_held_out_prompts(tmp_path):
+    """Four prompts hold none out (one in five): a run that evaluates is refused naming the fix,
+    instead of logging eval_accuracy 0 on no prompts; without evaluation it runs."""
+    f = tmp_path / "four.jsonl"
+    f.write_text('{"prompt": "ab#a=", "answer": "1"}\n' * 4)
+    cfg = TaskConfig(name="jsonl", path=str(f))
+    says = r"no held-out prompts .*too few prompts.*--task\.eval-path.*--log\.eval-every 0"
+    with pytest.raises(ConfigError, match=says):
+        make_task(cfg, 0, evaluates=True)
+    assert make_task(cfg, 0).eval_set == [] and len(make_task(cfg, 0).rows) == 4
