@@ -55,10 +55,20 @@ def _complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | None = None) -> str | None:
+def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | None = None,
+         steps: int | None = None) -> str | None:
     """The checkpoint to resume, checked (`check`) before anything is built when `loop` is given:
     an explicit folder that fails is refused; `auto` takes the newest complete one that passes,
-    saying which broken ones it skipped."""
+    saying which broken ones it skipped. `steps` (--steps): refused when the checkpoint already
+    holds that many, rather than a run that trains nothing and rewrites the run's config."""
+    path = _find(resume, ckpt_dir, loop, world_size)
+    if path and steps is not None and steps_done(path) >= steps:
+        raise CheckpointError(f"--steps={steps}: {path} already holds {steps_done(path)} steps, so nothing is left "
+                              f"to train; give a larger --steps to continue the run")
+    return path
+
+
+def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None) -> str | None:
     if not resume:
         return None
     if resume != "auto":
@@ -147,17 +157,27 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(_state(parts), checkpoint_id=tmp)
-    if rank == 0 and dist.fault_due("kill_mid_file", steps_done):  # tests: a data file cut short, then death
-        data = sorted(f for f in os.listdir(tmp) if f.endswith(".distcp"))[0]
-        os.truncate(os.path.join(tmp, data), os.path.getsize(os.path.join(tmp, data)) // 2)
-        dist.fault("kill_mid_file", steps_done)
-    save_file({"torch": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{rank}.safetensors"))
-    if rank == 0:
-        state = {**loop_state, "steps_done": steps_done, "world_size": torch.distributed.get_world_size(),
-                 "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state())}
-        with open(os.path.join(tmp, "loop_state.json"), "w") as f:
-            json.dump(state, f)
+    failure = None
+    try:
+        dcp.save(_state(parts), checkpoint_id=tmp)
+        if rank == 0 and dist.fault_due("kill_mid_file", steps_done):  # tests: a data file cut short, then death
+            data = sorted(f for f in os.listdir(tmp) if f.endswith(".distcp"))[0]
+            os.truncate(os.path.join(tmp, data), os.path.getsize(os.path.join(tmp, data)) // 2)
+            dist.fault("kill_mid_file", steps_done)
+        save_file({"torch": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{rank}.safetensors"))
+        if rank == 0:
+            state = {**loop_state, "steps_done": steps_done, "world_size": torch.distributed.get_world_size(),
+                     "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state())}
+            with open(os.path.join(tmp, "loop_state.json"), "w") as f:
+                json.dump(state, f)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        failure = e
+    if dist.all_reduce(torch.tensor([float(failure is not None)]), "max").item():  # every rank stops alike
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never resumed; frees what it took (a full disk)
+        why = _cause(failure, ckpt_dir, parts) if failure else "on another rank"
+        raise CheckpointError(f"saving the checkpoint {final} failed: {why}; the earlier checkpoints are untouched") \
+            from failure
     dist.barrier()
     if rank == 0:
         dist.fault("kill_in_save", steps_done)  # tests: die after the data, before the marker
@@ -176,6 +196,31 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _cause(e: BaseException, ckpt_dir: str, parts: dict) -> str:
+    """What went wrong under a failed save. DCP wraps each rank's error in a CheckpointException, and
+    torch's writer reports a full disk as "unexpected pos" rather than ENOSPC, so a file system
+    with less room than this rank's shard is named for what it is."""
+    seen = [x[0] if isinstance(x, tuple) else x for x in getattr(e, "failures", {}).values()] + [e]
+    todo = list(seen)
+    while todo:
+        x = todo.pop(0)
+        if isinstance(x, OSError):
+            return f"[Errno {x.errno}] {x.strerror}" + (f": {x.filename}" if x.filename else "")
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731  (this rank's shard)
+    need = sum(local(t).numel() * t.element_size() for m, o in parts.values() for t in [*m.parameters(), *_moments(o)])
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need:
+        return (f"[Errno 28] No space left on device ({free / 2**20:.1f} MiB free under {ckpt_dir}, this rank's shard "
+                f"needs about {need / 2**20:.1f} MiB); free some space or point --checkpoint.dir elsewhere")
+    first = seen[0]
+    return f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[0][:200]}"
+
+
+def _moments(optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def load(path: str, parts: dict) -> dict:

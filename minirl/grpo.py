@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=bool(args.log.eval_every))
     if args.rl.deterministic:
         dist.set_deterministic()
-    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "grpo", world.world_size)  # checked now
+    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "grpo", world.world_size, args.steps)  # checked now
     rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,

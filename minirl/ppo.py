@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     make_task(args.task, args.seed, models.load_tokenizer(path), args.rollout.max_prompt_tokens,
               evaluates=bool(args.log.eval_every))  # every prompt checked now, before any build
     train_ranks = world_size - (args.grid.rollout_ranks if args.grid.gpu_placement == "disaggregated" else 0)
-    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "ppo", train_ranks)  # checked here, early
+    resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, "ppo", train_ranks, args.steps)  # checked here, early
     rundir.claim(args, resume)  # this run owns the run dir; --log.overwrite clears the old run's
     if args.grid.gpu_placement == "colocated":
         world = dist.init()

@@ -297,3 +297,30 @@ def test_a_grpo_resume_from_a_ppo_checkpoint_fails_before_the_model_is_built(tmp
     p = grpo(tmp_path / "run", "--steps", "4", "--checkpoint.resume", second)
     assert p.returncode == 2 and "written by minirl.ppo" in p.stderr and "Traceback" not in p.stderr
     assert "loading the policy" not in p.stdout  # refused before anything was built
+
+
+def test_steps_at_or_below_the_steps_done_are_refused_not_a_silent_no_op(tmp_path, world, tiny_path):
+    _, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
+    for steps in (1, 2):
+        with pytest.raises(checkpoint.CheckpointError, match=f"--steps={steps}: .* already holds 2 steps"):
+            checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, steps)
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, 3) == second
+
+
+@e2e
+def test_a_save_on_a_full_disk_says_so_and_leaves_nothing_to_resume(tmp_path):
+    """The checkpoint folder on a 256 KiB file system (a tmpfs, mounted as root): the first save fails,
+    the run exits 2 with one line naming the device error, and no partial folder is left behind."""
+    import subprocess
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        p = grpo(tmp_path / "run", "--steps", "3", "--checkpoint.every", "1", "--checkpoint.dir", str(disk))
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)])
