@@ -167,10 +167,15 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         code = 4
     finally:
         dist.shutdown()
-    # Everything minirl writes is closed by now (metrics, checkpoints, the engine). Leave without the
-    # interpreter's teardown: C++ threads of the libraries underneath can abort there (seen once in
-    # about ten 3-rank PPO runs: "terminate called without an active exception" on a train rank after
-    # a complete run), which would turn a finished run into a failed one.
+    leave(code)
+
+
+def leave(code: int = 0) -> None:
+    """Exit now, without the interpreter's teardown, once everything written is closed (metrics,
+    checkpoints, the engine, the process group): C++ threads of the libraries underneath can abort
+    there ("terminate called without an active exception", seen about once in ten multi-rank runs
+    after a complete run, and in CI after a two-rank test script had passed), which would turn a
+    finished run into a failed one. The test scripts under tests/dist leave the same way."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from minirl import dist, refit
+from minirl import dist, launch, refit
 from minirl.config import RolloutConfig
 from minirl.models import load_policy, load_tokenizer, token_logprobs
 
@@ -62,3 +62,4 @@ else:
     engine.close()
     print("ROLLOUT OK")
 dist.shutdown()
+launch.leave(0)  # no interpreter teardown: see launch.leave

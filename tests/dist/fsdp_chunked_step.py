@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from minirl import dist
+from minirl import dist, launch
 from minirl.accumulator import Accumulator, across_ranks, roll_up
 from minirl.models import load_policy, token_logprobs
 from minirl.objective import policy_loss
@@ -97,3 +97,4 @@ if world.is_main:
     print(f"OK bf16 compute, float32 reduction: max relative diff {rel:.2e}")
 assert rel < 1e-6, rel  # a bf16 reduce-scatter rounds each sum to 8 bits of mantissa: about 1e-3
 dist.shutdown()
+launch.leave(0)  # no interpreter teardown: see launch.leave

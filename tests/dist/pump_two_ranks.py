@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from minirl import dist
+from minirl import dist, launch
 from minirl.accumulator import Accumulator
 from minirl.gae import masked_whiten
 from minirl.models import load_policy, load_value
@@ -64,3 +64,4 @@ except RuntimeError as e:
 assert p.policy_acc.steps == 0
 print(f"rank {r}: masked shares OK")
 dist.shutdown()
+launch.leave(0)  # no interpreter teardown: see launch.leave
