@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import time
+import uuid
 
 import torch
 
@@ -46,7 +47,7 @@ class RunLog:
             if start_step and os.path.isfile(id_file):
                 run_id = open(id_file).read().strip()
             else:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:12]  # W&B takes any id of [a-z0-9]; wandb.util.generate_id is gone in 0.2x
                 with open(id_file, "w") as f:
                     f.write(run_id)
             self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config or {}, id=run_id,
@@ -105,7 +106,7 @@ class RunLog:
         if record.get("step", 0) % self.every == 0 or "eval_accuracy" in record:
             eta = None
             if self.total and self.step_times and "time/step" in record:
-                recent = self.step_times[-20:]
+                recent = (self.step_times[1:] or self.step_times)[-20:]  # the first step's warm-up is no rate
                 eta = sum(recent) / len(recent) * max(self.total - record["step"] - 1, 0)
             print(console_line(record, self.total, eta, first=record.get("step") == self.start_step), flush=True)
 
