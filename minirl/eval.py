@@ -36,6 +36,9 @@ class EvalArgs:
     config: str = ""
     """A YAML or JSON file of flags read first, e.g. a run's config.json (keys this command does not
     have are ignored); flags given beside it win."""
+    engine_logs: bool = False
+    """Show the engine's own log lines (vLLM and its native libraries); by default they go to a file
+    that is removed with the run's temporary folder, and the console shows the one result line."""
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> float:
         check_model(path, args.rollout, max_model_len)
         tok = models.load_tokenizer(path)
         task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=True)
-        engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed)
+        engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed,
+                        log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
         try:
             accuracy = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens)
         finally:
