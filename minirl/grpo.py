@@ -27,7 +27,7 @@ from minirl import checkpoint, dist, launch, models, plan, rundir
 from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.checkpoint import export_hf, model_card
-from minirl.config import GRPOArgs
+from minirl.config_grpo import GRPOArgs
 from minirl.gae import group_advantages
 from minirl.logger import RunLog, engine_log, memory_peak_gib, sample_metrics
 from minirl.models import token_logprobs as score

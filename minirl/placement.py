@@ -43,7 +43,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from minirl import dist, models, refit
-from minirl.config import PPOArgs
+from minirl.config_ppo import PPOArgs
 from minirl.logger import engine_log, memory_peak_gib
 from minirl.offload import HandOff
 from minirl.rollout import Engine, Samples
@@ -325,7 +325,7 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
 # ---- colocated full batch: every rank's own engine, asleep through the update ----
 
 class EngineGroups:
-    """Colocated placement (full batch only, config.PPOArgs.validate): each rank generates groups
+    """Colocated placement (full batch only, config_ppo.PPOArgs.validate): each rank generates groups
     i with i % dp == rank, then its engine sleeps (`HandOff.to_trainer`) until the refit that
     follows critic training (`TrainPump` with refit_after_critic, S13)."""
 

@@ -35,7 +35,9 @@ import os
 import re
 
 from minirl import dist, models
-from minirl.config import TINY, ConfigError, GRPOArgs, PPOArgs
+from minirl.config import TINY, ConfigError
+from minirl.config_grpo import GRPOArgs
+from minirl.config_ppo import PPOArgs
 
 GIB = 2**30
 BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack

@@ -24,7 +24,7 @@ import torch
 from minirl import checkpoint, dist, launch, models, plan, rundir
 from minirl.accumulator import Accumulator, Stall, across_ranks, lr_schedule
 from minirl.batch import pack
-from minirl.config import PPOArgs
+from minirl.config_ppo import PPOArgs
 from minirl.logger import RunLog, memory_peak_gib, sample_metrics
 from minirl.offload import TrainerOffload
 from minirl.placement import EngineGroups, StoreGroups, rollout_rank

@@ -73,7 +73,7 @@ class PumpConfig:
     critic_micro_rows: int = 0       # rows per critic forward/backward; 0 = the whole batch
     critic_warmup: bool = False      # this step only trains the critic (S14)
     offload: bool = True             # switch residency between policy and value (S7, S12)
-    ppo_epochs: int = 1              # policy epochs; > 1 only in full-batch mode (config.PPOArgs.validate)
+    ppo_epochs: int = 1              # policy epochs; > 1 only in full-batch mode (config_ppo.PPOArgs.validate)
     refit_after_critic: bool = False # colocated full batch: the engine sleeps through critic training (S13)
     use_rollout_logprobs: bool = False  # pi_old from the engine instead of the trainer
 

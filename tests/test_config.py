@@ -3,7 +3,9 @@ streaming support limits (S1, S20)."""
 
 import pytest
 
-from minirl.config import ConfigError, GRPOArgs, PPOArgs
+from minirl.config import ConfigError
+from minirl.config_grpo import GRPOArgs
+from minirl.config_ppo import PPOArgs
 
 
 def args(**rl):

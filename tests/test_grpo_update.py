@@ -9,7 +9,7 @@ from conftest import RecordingSGD
 from minirl import dist
 from minirl.accumulator import Accumulator
 from minirl.batch import RolloutStore, pack, plan_chunks
-from minirl.config import GRPOArgs
+from minirl.config_grpo import GRPOArgs
 from minirl.grpo import Probe, update
 from minirl.models import load_policy, token_logprobs
 from minirl.rollout import Samples

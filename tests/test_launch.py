@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import run
 from minirl import launch
-from minirl.config import ConfigError, GRPOArgs
+from minirl.config import ConfigError
+from minirl.config_grpo import GRPOArgs
 
 BIN = os.path.dirname(sys.executable)  # the console scripts sit beside the interpreter
 

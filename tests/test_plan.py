@@ -11,7 +11,8 @@ import tyro
 
 from conftest import ROOT, run
 from minirl import plan
-from minirl.config import GRPOArgs, PPOArgs
+from minirl.config_grpo import GRPOArgs
+from minirl.config_ppo import PPOArgs
 from test_recipes import RECIPES, flags
 
 MODELS = os.path.join(ROOT, "tests", "data", "models")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run, sigterm_after
-from minirl.config import PPOArgs
+from minirl.config_ppo import PPOArgs
 
 def e2e(test):
     """The real engine, end to end: a slow test."""

@@ -10,7 +10,8 @@ import pytest
 import tyro
 
 from conftest import ROOT
-from minirl.config import GRPOArgs, PPOArgs
+from minirl.config_grpo import GRPOArgs
+from minirl.config_ppo import PPOArgs
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.sh")))
 

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ROOT, TORCHRUN_VARS, run
 from minirl import rundir
-from minirl.config import ConfigError, GRPOArgs
+from minirl.config import ConfigError
+from minirl.config_grpo import GRPOArgs
 
 SMALL = ["--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0"]
 

@@ -1,0 +1,165 @@
+"""GRPO's configuration (`minirl.grpo`): the batch / mini / micro sizes and the objective's flags.
+
+Derived sizes (`n_mini`, `n_micro`) are properties computed here and never settable (rules B1-B2,
+B11 in docs/invariants.md); `validate()` checks divisibility at every level and over the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, RolloutConfig,
+                           TaskConfig, _at_least, _check_optimization, _check_run, _positive)
+
+
+@dataclass
+class RLConfig:
+    group_size: int = 8
+    """Samples per prompt (G); advantages are taken within each group."""
+    batch_per_replica: int = 32
+    """Trajectories per collected batch per policy replica; a positive multiple of group_size."""
+    mini_batch_per_replica: int = 0
+    """Trajectories per optimizer step; 0 = the whole batch (one step)."""
+    micro_batch_per_replica: int = 0
+    """Trajectories per forward/backward; 0 = the whole mini-batch (no accumulation)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token-budgeted micro-batching: split each mini-batch into micro-batches of at most this many
+    computed tokens (packed lanes with --model.packing, else rows x longest row), balanced by cost
+    (0 = off; replaces --rl.micro-batch-per-replica)."""
+    mu_iterations: int = 1
+    """Inner PPO epochs over one collected batch, all scored against the frozen pi_old."""
+    grad_accum: tyro.conf.Suppress[int] = 1
+    """Retired for GRPO (B11): the accumulation count is derived; not a flag (launch.parse refuses it by
+    name, pointing at --rl.micro-batch-per-replica), and a config file that sets it is refused too."""
+    lr: float = 1e-4
+    """AdamW learning rate (the peak, after --rl.lr-warmup-steps)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to --rl.lr."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to --rl.min-lr-ratio x lr at the run's last optimizer step."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's final learning rate, as a fraction of --rl.lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this after normalization (0 = no clip)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip epsilon (the ratio's lower bound is 1 - this)."""
+    clip_eps_high: float = 0.0
+    """Upper clip epsilon, DAPO's "clip-higher" (e.g. 0.28); 0 = the same as --rl.clip-eps."""
+    dual_clip: float = 0.0
+    """Dual clip c > 1 (verl's clip_ratio_c, e.g. 3): a negative-advantage token's loss is at most -c x A; 0 = off."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference penalty (0 = no reference model)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps whose updates were all skipped as non-finite."""
+    scale_by_std: bool = True
+    """Divide group advantages by the group's reward std."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the engine's sampling logprobs as pi_old instead of recomputing them in the trainer."""
+    deterministic: bool = False
+    """Turn on torch's deterministic algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG must be set at launch)."""
+    colocated_offload: bool = True
+    """Colocated: hand the card between engine and trainer each step (sleep / offload)."""
+
+
+@dataclass
+class GRPOArgs(Launch):
+    """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
+
+    REFUSED = {  # flags GRPO does not have, and what to use instead (launch.parse)
+        "--rl.grad-accum": "--rl.grad-accum is retired for GRPO: the accumulation count is derived. Set "
+                           "--rl.micro-batch-per-replica to accumulate gradients over smaller chunks",
+        "--grid.": "GRPO runs colocated, every rank generating and training: it has no --grid.* flags "
+                   "(disaggregated placement is for PPO streaming, minirl.ppo)"}
+
+    steps: int = 20
+    """Collected batches (loop steps) to run."""
+    seed: int = 0
+    """Base seed: model init, data order and per-request sampling seeds derive from it."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    grid: tyro.conf.Suppress[GridConfig] = field(default_factory=GridConfig)  # GRPO is colocated: not a flag
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # ---- derived: computed, never configured (B2) ----
+    @property
+    def mini_batch(self) -> int:
+        return self.rl.mini_batch_per_replica or self.rl.batch_per_replica
+
+    @property
+    def micro_batch(self) -> int:
+        return self.rl.micro_batch_per_replica or self.mini_batch
+
+    @property
+    def n_mini(self) -> int:
+        return self.rl.batch_per_replica // self.mini_batch
+
+    @property
+    def n_micro(self) -> int:
+        """Micro-batches per optimizer step; with a token budget, decided per mini-batch at run time."""
+        return self.mini_batch // self.micro_batch
+
+    @property
+    def needs_cached_old_logprobs(self) -> bool:
+        """Several optimizer steps per collected batch move the policy under later chunks, so pi_old
+        must be scored once up front (B17), unless the
+        loss takes the engine's logprobs. GRPO's clipped objective always consumes pi_old."""
+        return (self.n_mini > 1 or self.rl.mu_iterations > 1) and not self.rl.use_rollout_logprobs_for_loss
+
+    def validate(self, world_size: int = 1) -> "GRPOArgs":
+        """Raise ConfigError naming the flag for anything the run cannot do. Cheap: no I/O but stat()."""
+        rl = self.rl
+        _positive("--steps", self.steps)
+        _positive("--rl.group-size", rl.group_size)
+        _positive("--rollout.max-tokens", self.rollout.max_tokens)
+        if rl.batch_per_replica <= 0 or rl.batch_per_replica % rl.group_size:
+            raise ConfigError(
+                f"--rl.batch-per-replica={rl.batch_per_replica} must be a positive multiple of "
+                f"--rl.group-size={rl.group_size} (e.g. {4 * rl.group_size})")
+        if rl.grad_accum != 1:
+            raise ConfigError(
+                f"--rl.grad-accum={rl.grad_accum} is retired for GRPO: the accumulation count is derived. "
+                f"Set --rl.micro-batch-per-replica (e.g. {rl.batch_per_replica // 2}) to accumulate gradients "
+                "over smaller forward/backward chunks.")
+        for flag, val in (("--rl.mini-batch-per-replica", rl.mini_batch_per_replica),
+                          ("--rl.micro-batch-per-replica", rl.micro_batch_per_replica)):
+            if val < 0:
+                raise ConfigError(f"{flag}={val} must be >= 0 (0 = the whole level above)")
+        _positive("--rl.mu-iterations", rl.mu_iterations)
+        if rl.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"--rl.max-tokens-per-micro-batch={rl.max_tokens_per_micro_batch} must be >= 0")
+        if rl.max_tokens_per_micro_batch and rl.micro_batch_per_replica:
+            raise ConfigError("set one of --rl.micro-batch-per-replica (fixed rows) and "
+                              "--rl.max-tokens-per-micro-batch (token budget), not both")
+        if self.rl.batch_per_replica % self.mini_batch:
+            raise ConfigError(
+                f"--rl.mini-batch-per-replica={rl.mini_batch_per_replica} must divide "
+                f"--rl.batch-per-replica={rl.batch_per_replica} exactly (a ragged last mini-batch changes its token mean)")
+        if self.mini_batch % self.micro_batch:
+            raise ConfigError(
+                f"--rl.micro-batch-per-replica={rl.micro_batch_per_replica} must divide the mini-batch "
+                f"({self.mini_batch}) exactly (a ragged last micro-batch changes its token mean)")
+        if self.grid.gpu_placement == "disaggregated":
+            raise ConfigError("GRPO runs colocated: use --grid.gpu-placement colocated "
+                              "(disaggregated placement is for PPO streaming, minirl.ppo)")
+        # DP shares: every level must split evenly over the data-parallel ranks, in whole groups.
+        dp = world_size
+        if rl.batch_per_replica % (dp * rl.group_size):
+            raise ConfigError(
+                f"--rl.batch-per-replica={rl.batch_per_replica} must split into whole groups of "
+                f"{rl.group_size} over {dp} data-parallel rank(s); use a multiple of {dp * rl.group_size}")
+        if self.micro_batch % dp:
+            raise ConfigError(
+                f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
+                "change --rl.micro-batch-per-replica")
+        _check_optimization("rl", rl)
+        _at_least("--rl.weight-decay", rl.weight_decay, 0)
+        _check_run(self)
+        return self
