@@ -97,7 +97,8 @@ LOOP_KEYS = {"grpo": ("optimizer_steps", "skipped", "probe_done"), "ppo": ()}  #
 def check(path: str, loop: str, world_size: int) -> None:
     """What a complete checkpoint must be for this run, told from its files alone (nothing is built
     yet): its loop state whole and written by this loop (`grpo` or `ppo`) at this world size (the
-    train ranks), and every rank's DCP shard and RNG state present and non-empty."""
+    train ranks), every rank's DCP shard and RNG state present and non-empty, and its metadata
+    made of DCP's own classes only (`_SafeUnpickler`; a crafted one is refused unrun)."""
     try:
         with open(os.path.join(path, "loop_state.json")) as f:
             state = json.load(f)
@@ -122,6 +123,14 @@ def check(path: str, loop: str, world_size: int) -> None:
         if not shards:
             raise CheckpointError(f"checkpoint {path}: rank {r}'s shard (__{r}_*.distcp) is missing; "
                                   "resume from an earlier one")
+    metadata = os.path.join(path, ".metadata")
+    with open(metadata, "rb") as f:  # a crafted one is refused here too, before anything is built
+        try:
+            _SafeUnpickler(f, metadata).load()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{metadata}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
 
 
 def steps_done(path: str) -> int:

@@ -71,6 +71,8 @@ def test_a_crafted_metadata_is_refused_and_its_payload_never_runs(tmp_path, worl
     marker.unlink()
     with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: refers to builtins\.eval"):
         checkpoint.load(path, parts)
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: refers to builtins\.eval"):
+        checkpoint.check(path, "ppo", 1)  # and before anything is built, from the files alone
     assert not marker.exists()  # ...and minirl's loader never ran it
 
 

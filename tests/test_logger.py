@@ -80,3 +80,9 @@ def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch):
         log.write({"step": s, "reward_mean": s / 10})
     log.close()
     assert (tmp_path / "wandb_run_id").read_text().strip() in str(list((tmp_path / "wandb").iterdir()))
+
+
+def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl: not UTF-8 text .* move it aside"):
+        RunLog(str(tmp_path), enabled=True, start_step=1)
