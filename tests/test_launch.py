@@ -72,14 +72,14 @@ def test_yaml_numbers_in_1_1_form_are_numbers(tmp_path):
 
 
 def test_a_yaml_bomb_exits_2_within_seconds(tmp_path):
-    """The 351-byte billion-laughs file: refused at once, before anything is expanded."""
+    """A 339-byte billion-laughs file under a real flag (nine levels of nine aliases): it used to hang
+    with growing memory; it is refused at once, before anything is expanded."""
     import time
-    lol = ["a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]"]
-    for k, name in enumerate("bcdefghi"):
-        prev = "abcdefghi"[k]
-        lol.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    levels = ['&a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
     f = tmp_path / "bomb.yaml"
-    f.write_text("\n".join(lol) + "\n")
+    f.write_text("task:\n  path: [" + ", ".join(levels) + "]\n")
     t0 = time.time()
     p = run([script("minirl-grpo"), "--config", str(f), "--log.run-dir", str(tmp_path / "r")], timeout=60)
     assert p.returncode == 2 and "aliases" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
