@@ -97,8 +97,9 @@ LOOP_KEYS = {"grpo": ("optimizer_steps", "skipped", "probe_done"), "ppo": ()}  #
 def check(path: str, loop: str, world_size: int) -> None:
     """What a complete checkpoint must be for this run, told from its files alone (nothing is built
     yet): its loop state whole and written by this loop (`grpo` or `ppo`) at this world size (the
-    train ranks), every rank's DCP shard and RNG state present and non-empty, and its metadata
-    made of DCP's own classes only (`_SafeUnpickler`; a crafted one is refused unrun)."""
+    train ranks), every rank's DCP shard and RNG state present and non-empty, its metadata made of
+    DCP's own classes only (`_SafeUnpickler`; a crafted one is refused unrun), and every data file
+    as long as the metadata says (a file cut short by a crash or a full disk)."""
     try:
         with open(os.path.join(path, "loop_state.json")) as f:
             state = json.load(f)
@@ -126,11 +127,19 @@ def check(path: str, loop: str, world_size: int) -> None:
     metadata = os.path.join(path, ".metadata")
     with open(metadata, "rb") as f:  # a crafted one is refused here too, before anything is built
         try:
-            _SafeUnpickler(f, metadata).load()
+            md = _SafeUnpickler(f, metadata).load()
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{metadata}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+    ends: dict[str, int] = {}  # every data file must hold the bytes the metadata places in it
+    for info in getattr(md, "storage_data", {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = os.path.getsize(os.path.join(path, name)) if name in names else -1
+        if size < end:
+            what = "missing" if size < 0 else f"cut short ({size} of {end} bytes)"
+            raise CheckpointError(f"checkpoint {path}: {name} is {what}; resume from an earlier one")
 
 
 def steps_done(path: str) -> int:
