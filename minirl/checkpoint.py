@@ -124,14 +124,7 @@ def check(path: str, loop: str, world_size: int) -> None:
         if not shards:
             raise CheckpointError(f"checkpoint {path}: rank {r}'s shard (__{r}_*.distcp) is missing; "
                                   "resume from an earlier one")
-    metadata = os.path.join(path, ".metadata")
-    with open(metadata, "rb") as f:  # a crafted one is refused here too, before anything is built
-        try:
-            md = _SafeUnpickler(f, metadata).load()
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{metadata}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+    md = _read_metadata(path)  # a crafted one is refused here too, before anything is built
     ends: dict[str, int] = {}  # every data file must hold the bytes the metadata places in it
     for info in getattr(md, "storage_data", {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -299,16 +292,21 @@ class _SafeUnpickler(pickle.Unpickler):
                               "refusing to load it (a crafted checkpoint can run code when unpickled)")
 
 
+def _read_metadata(folder: str):
+    """A checkpoint's DCP `.metadata`, through `_SafeUnpickler` only."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        try:
+            return _SafeUnpickler(f, path).load()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+
+
 class _SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as f:
-            try:
-                metadata = _SafeUnpickler(f, path).load()
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from e
+        metadata = _read_metadata(str(self.path))
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
