@@ -9,7 +9,8 @@ plain batch and a micro-batch of short completions costs short activations.
 
 Devices: the store lives on the host; `to_device` is the ONE place a chunk moves to the
 trainer's device (pinned and non-blocking on CUDA), and `RolloutStore.chunk` calls it, so
-every tensor the trainer computes with is on its device.
+every tensor the trainer computes with is on its device. A chunk's `lengths` stay a host list of
+ints: the packed layout is planned on the host (models.layout), with no device sync per forward.
 
 The store counts its readers (spec: "BulkStore readers"): every planned chunk is read once per
 training epoch, plus once more when the pi_old ahead pass runs. The caller sets the count
@@ -123,17 +124,20 @@ class RolloutStore:
     def __init__(self, batch: dict[str, torch.Tensor], plan: Plan, reads_per_chunk: int,
                  device: torch.device = torch.device("cpu")):
         self.batch, self.plan, self.device = batch, plan, device
+        self.lengths = batch["lengths"].tolist()  # host ints, read once per batch
         self.reads_left = reads_per_chunk * sum(len(m) for m in plan)
 
-    def chunk(self, mini: int, micro: int) -> dict[str, torch.Tensor]:
-        """The rows of (mini, micro), columns trimmed to the chunk's longest row, on the trainer's device."""
+    def chunk(self, mini: int, micro: int) -> dict:
+        """The rows of (mini, micro), columns trimmed to the chunk's longest row, on the trainer's
+        device; `lengths` as a host list."""
         if self.reads_left <= 0:
             self._read()  # raises
-        rows = torch.tensor(self.plan[mini][micro])
-        T = int(self.batch["lengths"][rows].max())
-        out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.batch.items()}
+        picked = self.plan[mini][micro]
+        lengths = [self.lengths[r] for r in picked]
+        rows, T = torch.tensor(picked), max(lengths)
+        out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.batch.items() if k != "lengths"}
         self._read()
-        return to_device(out, self.device)
+        return {**to_device(out, self.device), "lengths": lengths}
 
     def skip(self) -> None:
         """A planned read that will not happen (the rest of a poisoned window)."""
@@ -145,7 +149,7 @@ class RolloutStore:
                            "(the ahead pass ran but the reader count was not raised for it)")
         self.reads_left -= 1
         if self.reads_left == 0:
-            self.batch = {k: v for k, v in self.batch.items() if k == "lengths"}  # release the bulk
+            self.batch = {}  # release the bulk
 
     def close(self) -> None:
         if self.reads_left:

@@ -170,7 +170,7 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
     dist.barrier()
     failure = None
     try:
-        dcp.save(_state(parts), checkpoint_id=tmp)
+        dcp.save(state_dicts(parts), checkpoint_id=tmp)
         if rank == 0 and dist.fault_due("kill_mid_file", steps_done):  # tests: a data file cut short, then death
             data = sorted(f for f in os.listdir(tmp) if f.endswith(".distcp"))[0]
             os.truncate(os.path.join(tmp, data), os.path.getsize(os.path.join(tmp, data)) // 2)
@@ -245,7 +245,7 @@ def load(path: str, parts: dict) -> dict:
         if state["world_size"] != torch.distributed.get_world_size():
             raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} rank(s); "
                                   f"this run has {torch.distributed.get_world_size()}")
-        sd = _state(parts)
+        sd = state_dicts(parts)
         _safe_load(path, sd, parts)
         for name, (model, optimizer) in parts.items():
             set_state_dict(model, optimizer, model_state_dict=sd[name], optim_state_dict=sd[name + ".optim"])
@@ -371,7 +371,8 @@ def report_lr(optimizer, next_lr: float, flag: str, say) -> None:
             f"of the flags sets the rate, {next_lr:g} at the next step")
 
 
-def _state(parts: dict) -> dict:
+def state_dicts(parts: dict) -> dict:
+    """What DCP writes and reads: each model's and optimizer's sharded state dict (no full gather)."""
     out = {}
     for name, (model, optimizer) in parts.items():
         out[name], out[name + ".optim"] = get_state_dict(model, optimizer)

@@ -148,6 +148,10 @@ class Launch:
     """--dry-run: the launch's device type (default: this machine's)."""
     dry_run_card_gib: float = 80.0
     """--dry-run: memory of one card in GiB, for the fits / does not fit verdict."""
+    rehearse: bool = False
+    """--dry-run: also run the real train step of train rank 0 on fake CUDA tensors at the model's shape
+    (no GPU, no weights; a C++ compiler builds its stand-ins once) and print its measured peak memory per
+    card beside the plan's, and any CPU tensor that meets a CUDA one."""
 
     @property
     def checkpoint_dir(self) -> str:
@@ -191,6 +195,10 @@ def _check_run(args) -> None:
     if args.log.overwrite and args.checkpoint.resume:
         raise ConfigError(f"--log.overwrite starts over and --checkpoint.resume={args.checkpoint.resume!r} continues: "
                           "give one of them")
+    if args.rehearse and not args.dry_run:
+        raise ConfigError("--rehearse is part of a dry run: add --dry-run")
+    if args.rehearse and args.dry_run_device == "cpu":
+        raise ConfigError("--rehearse plays a CUDA launch: drop --dry-run-device cpu")
     if args.dry_run_nnodes < 1:
         raise ConfigError(f"--dry-run-nnodes={args.dry_run_nnodes} must be >= 1")
     _at_least("--log.every", args.log.every, 1)

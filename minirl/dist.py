@@ -354,12 +354,25 @@ def shard(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> t
     DP means too (objective.py), so `mean_r(grad_sum_r / mean_r(N_r)) = grad(total sum) / total N`
     with no world-size factor anywhere.
     """
-    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    mesh = device_mesh(world.device.type, world.world_size)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in _decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+_meshes: dict = {}
+
+
+def device_mesh(device_type: str, size: int):
+    """The trainer's one-dimensional mesh over the default group, built once per process (every model
+    shards over the same one; the CPU rehearsal builds it before fake mode, which cannot)."""
+    group, mesh = _meshes.get((device_type, size), (None, None))
+    if group is not dist.group.WORLD:  # none yet, or the default group was rebuilt since
+        mesh = init_device_mesh(device_type, (size,))
+        _meshes[(device_type, size)] = dist.group.WORLD, mesh
+    return mesh
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -40,7 +40,7 @@ from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_ta
 def main(argv: list[str] | None = None) -> dict:
     args = launch.parse(GRPOArgs, argv, __doc__)
     if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
-        plan.dry_run(args)
+        plan.dry_run(args, argv)
         return {}
     world = dist.init()
     args.validate(world.world_size)

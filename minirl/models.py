@@ -197,7 +197,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, lengths=None) -> torch.Tensor:
         lay = layout(self, input_ids, lengths)                          # padding-free when it packs
         ids = lay.pack(input_ids) if lay else input_ids
         hidden = self.model(input_ids=ids, position_ids=lay.positions if lay else None).last_hidden_state
@@ -282,15 +282,14 @@ def packing_error(model: nn.Module) -> float | None:
 LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits (441 tokens at vocab 151,936)
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False,
-                   lengths: torch.Tensor | None = None):
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False, lengths=None):
     """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
 
     Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
     Sequences are right-padded, so causal attention never lets a real token see a pad.
     `entropy=True` also returns the entropy of each next-token distribution (B, T), from the same
     forward and without a gradient (a metric: how sure the policy is). `lengths` (B,): the rows'
-    real lengths; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
+    real lengths, host ints; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
     padding-free (packing.py) and pad columns come back 0.
 
     Memory: a Hugging Face causal LM ends with `logits = self.lm_head(hidden)`, (B, T, V). At a
@@ -319,8 +318,7 @@ def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: 
     return (lp, ent.detach()) if entropy else lp
 
 
-def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False,
-                         lengths: torch.Tensor | None = None):
+def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False, lengths=None):
     """The same numbers from the full logits and their float32 log-softmax (the reference; and the
     path for models whose logits are post-processed after `lm_head`)."""
     lay = layout(model, input_ids, lengths)
@@ -335,12 +333,17 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
     return lp, _before(nn.functional.pad(ent, (0, 1)), lay)
 
 
-def layout(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> Layout | None:
+def layout(model: nn.Module, input_ids: torch.Tensor, lengths) -> Layout | None:
     """The packed layout of this batch, or None to run it padded: the model does not pack, no
-    lengths were given, or packing would save nothing (every row as long as the longest)."""
+    lengths were given, or packing would save nothing (every row as long as the longest).
+    `lengths`: the rows' lengths as host ints (a list, or a CPU tensor)."""
     if computed_tokens(model, input_ids, lengths) >= input_ids.numel():
         return None
-    return Layout.of(lengths.tolist(), input_ids.shape[1], packing.one_lane(model)).to(input_ids.device)
+    return Layout.of(_ints(lengths), input_ids.shape[1], packing.one_lane(model)).to(input_ids.device)
+
+
+def _ints(lengths) -> list[int]:
+    return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
@@ -350,12 +353,12 @@ def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.opti
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None) -> int:
+def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths) -> int:
     """Tokens a forward of this batch computes: the packed lanes' (what `Layout.computed` will be),
     or rows x columns when it runs padded; `layout` packs exactly when the first is smaller."""
     if lengths is None or not getattr(model, "pack_rows", False):
         return input_ids.numel()
-    rows = lengths.tolist()
+    rows = _ints(lengths)
     packed = sum(rows) if packing.one_lane(model) else packing.computed_tokens(rows)
     return min(packed, input_ids.numel())
 

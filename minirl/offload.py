@@ -30,7 +30,7 @@ from minirl import dist
 class TrainerOffload:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep_grads: bool = False):
         self.model, self.optimizer, self.keep_grads = model, optimizer, keep_grads
-        self.host: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
+        self.host: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}  # by storage identity (_key)
         self.offloaded = False
 
     def _tensors(self):
@@ -53,7 +53,7 @@ class TrainerOffload:
             self._check_grads_survive()
         for t in self._tensors():
             s = t.untyped_storage()
-            key = s.data_ptr()
+            key = _key(s)
             if key in self.host or s.nbytes() == 0:
                 continue
             view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
@@ -69,12 +69,12 @@ class TrainerOffload:
         parameters' storage (a flat fused buffer, a low-precision format that packs both) would lose
         them here. No minirl setup does; a fork that builds one is refused before its first update."""
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        params = {local(p).untyped_storage().data_ptr(): n for n, p in self.model.named_parameters()
+        params = {_key(local(p).untyped_storage()): n for n, p in self.model.named_parameters()
                   if local(p).untyped_storage().nbytes()}
         for p in self.model.parameters():
             if p.grad is None or not local(p.grad).untyped_storage().nbytes():
                 continue
-            name = params.get(local(p.grad).untyped_storage().data_ptr())
+            name = params.get(_key(local(p.grad).untyped_storage()))
             if name is not None:
                 raise RuntimeError(f"offload: the gradients share storage with parameter {name!r}, so this trainer "
                                    "cannot keep gradients resident while its parameters are offloaded (S20); give gradients their own storage, as "
@@ -89,6 +89,12 @@ class TrainerOffload:
             torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(copy, non_blocking=False)
         self.host.clear()
         self.offloaded = False
+
+
+def _key(s: torch.UntypedStorage) -> int:
+    """A storage's identity: the address of its StorageImpl, which every view shares. Not `data_ptr()`:
+    that is 0 for every storage released to 0 bytes and for every fake tensor (the CPU rehearsal)."""
+    return s._cdata
 
 
 class HandOff:

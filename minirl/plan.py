@@ -13,7 +13,8 @@ from `dist.device_map`, the function the real launch uses.
 
 The memory estimate is arithmetic on the model's config.json (a local folder, the built-in model,
 or a hub name already in the local Hugging Face cache; otherwise "memory: unknown"):
-- params: float32 master shards of every trained model (1/dp each), the compute-dtype copies
+- params: float32 master shards of the trained model (1/dp each; PPO's pump keeps one of policy and
+  critic on the card at a time, the other offloaded with its optimizer), the compute-dtype copies
   FSDP2 gathers for a forward (the root's embedding/head and two decoder blocks, one prefetched),
   and the frozen reference in the compute dtype when there is a KL penalty;
 - grads: float32 shards; optimizer: AdamW's two float32 moments per parameter, sharded;
@@ -23,8 +24,9 @@ or a hub name already in the local Hugging Face cache; otherwise "memory: unknow
   compute-dtype logits, their float32 copy and its gradient);
 - engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
 Colocated with the hand-off, engine and trainer take turns: the peak is the larger of the two
-phases. Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate (tens
-of percent), meant to catch a recipe that cannot fit, not to tune one to the last GiB.
+phases. Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate, meant to
+catch a recipe that cannot fit, not to tune one to the last GiB; `--rehearse` measures the train step
+itself (rehearse.py), and the GPU recipes' rehearsed peaks are within 25% of it (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import re
+import sys
 
 from minirl import dist, models
 from minirl.config import TINY, ConfigError
@@ -43,10 +46,11 @@ GIB = 2**30
 BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack
 
 
-def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
-    """Validate `args` for the world the flags name and return (and print, on rank 0) the plan."""
+def dry_run(args: GRPOArgs | PPOArgs, argv: list[str] | None = None) -> list[str]:
+    """Validate `args` for the world the flags name and return (and print, on rank 0) the plan;
+    under --rehearse, then rehearse the train step on fake CUDA (rehearse.py) with the same flags."""
     world = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
-    device_type = args.dry_run_device or dist.device_type()
+    device_type = args.dry_run_device or ("cuda" if args.rehearse else dist.device_type())
     args.validate(world)
     hf, source = model_config(args.model)
     if hf is not None:
@@ -56,6 +60,9 @@ def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
     lines = plan(args, world, device_type, hf, source)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(lines), flush=True)
+        if args.rehearse:  # one process rehearses train rank 0 of the whole world
+            from minirl import rehearse
+            rehearse.run(sys.argv[1:] if argv is None else argv, "grpo" if isinstance(args, GRPOArgs) else "ppo")
     return lines
 
 
@@ -188,26 +195,44 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
              f"epochs={p.ppo_epochs} critic_rows={critic} tokens<={T}")
     if not hf:
         return share, None
-    # policy and critic both resident (conservative: the pump offloads whichever is idle)
-    terms = _trainer_terms(hf, dp, c, 2, max(micro, critic) * T, True, ref=bool(p.kl_coef))
+    # one trained model resident at a time: the pump offloads the idle one with its optimizer (S7),
+    # and the policy's kept gradients are freed by its step before the critic trains
+    terms = _trainer_terms(hf, dp, c, 1, max(micro, critic) * T, True, ref=bool(p.kl_coef))
     return share, terms
+
+
+def train_rank_terms(args: GRPOArgs | PPOArgs, world: int, hf: dict) -> dict[str, float]:
+    """The memory terms (GiB) of one train rank of a launch of `world` ranks (what --rehearse measures)."""
+    c = models.DTYPES[args.model.dtype].itemsize
+    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    if isinstance(args, GRPOArgs):
+        return _grpo_share(args, world, hf, c, T)[1]
+    R = args.grid.rollout_ranks if args.grid.gpu_placement == "disaggregated" else 0
+    return _ppo_share(args, R, world, R, "train" if R else "both", hf, c, T)[1]
+
+
+def engine_gib(args, role: str, device_type: str = "cuda") -> float:
+    """The engine's share of a rank's card: vLLM's --rollout.gpu-memory-utilization cap (host: its KV cache)."""
+    if role not in ("rollout", "both"):
+        return 0.0
+    return args.rollout.gpu_memory_utilization * args.dry_run_card_gib if device_type == "cuda" \
+        else args.rollout.kv_cache_gib
+
+
+def card_peak(args, role: str, trainer: float, device_type: str = "cuda") -> float:
+    """A rank's peak (GiB): engine and trainer take turns on a colocated card under the hand-off, else
+    they add up; plus the CUDA context and communicators."""
+    engine = engine_gib(args, role, device_type)
+    handoff = args.rl.colocated_offload if isinstance(args, GRPOArgs) else args.ppo.colocated_offload
+    return (max(engine, trainer) if role == "both" and handoff else engine + trainer) + BASELINE_GIB
 
 
 def _memory(args, role: str, terms: dict | None, device_type: str, placement: str) -> str:
     if terms is None:
         return "memory: unknown (no config.json readable offline; pass a local model folder)"
     card = args.dry_run_card_gib
-    engine = 0.0
-    if role in ("rollout", "both"):
-        engine = args.rollout.gpu_memory_utilization * card if device_type == "cuda" else args.rollout.kv_cache_gib
-    trainer = sum(terms.values())
-    shown = " ".join(f"{k} {v:.2f}" for k, v in {**terms, "engine": engine}.items())
-    handoff = args.rl.colocated_offload if isinstance(args, GRPOArgs) else args.ppo.colocated_offload
-    if role == "both" and handoff:
-        peak = max(engine, trainer)      # engine and trainer take turns on the card
-    else:
-        peak = engine + trainer
-    peak += BASELINE_GIB
+    shown = " ".join(f"{k} {v:.2f}" for k, v in {**terms, "engine": engine_gib(args, role, device_type)}.items())
+    peak = card_peak(args, role, sum(terms.values()), device_type)
     if device_type != "cuda":
         return f"memory GiB: {shown} | peak {peak:.1f} (host memory)"
     verdict = "fits" if peak <= card else "DOES NOT FIT"

@@ -37,7 +37,7 @@ from minirl.tasks import make_task
 def main(argv: list[str] | None = None) -> None:
     args = launch.parse(PPOArgs, argv, __doc__)
     if args.dry_run:  # the plan for the world the flags describe; nothing is loaded or built
-        plan.dry_run(args)
+        plan.dry_run(args, argv)
         return
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.validate(world_size)
@@ -125,14 +125,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         for step in range(start, args.steps):
             dist.fault(f"kill_train_rank{world.rank}", step)  # tests: a train rank dies (kill -9)
             t0, warmup = time.perf_counter(), step < p.critic_warmup_steps
-            cfg = PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
-                             clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip, kl_coef=p.kl_coef,
-                             value_max_grad_norm=p.max_grad_norm,
-                             value_clip_eps=p.clip_eps, normalize_advantages=p.adv_estimator.normalize_advantages,
-                             critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=warmup, ppo_epochs=p.ppo_epochs,
-                             refit_after_critic=source.colocated, policy_micro_rows=p.policy_micro_batch_rows,
-                             critic_micro_rows=p.critic_micro_batch_rows,
-                             use_rollout_logprobs=p.use_rollout_logprobs_for_loss)
+            cfg = pump_config(args, step, source.colocated)
             first_policy_step = (step - p.critic_warmup_steps) * p.ppo_epochs
             acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm,
                               schedule=lambda k: policy_lr(first_policy_step + k))
@@ -213,6 +206,19 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         log.close()
 
 
+def pump_config(args: PPOArgs, step: int, colocated: bool) -> PumpConfig:
+    """The pump's settings for `step` (critic warmup or not) under this placement."""
+    p = args.ppo
+    return PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
+                      clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip, kl_coef=p.kl_coef,
+                      value_max_grad_norm=p.max_grad_norm, value_clip_eps=p.clip_eps,
+                      normalize_advantages=p.adv_estimator.normalize_advantages,
+                      critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=step < p.critic_warmup_steps,
+                      ppo_epochs=p.ppo_epochs, refit_after_critic=colocated,
+                      policy_micro_rows=p.policy_micro_batch_rows, critic_micro_rows=p.critic_micro_batch_rows,
+                      use_rollout_logprobs=p.use_rollout_logprobs_for_loss)
+
+
 def _rows(groups: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """This rank's groups -> one chunk: packed rows plus the sequence reward on each last token."""
     prompts, comps, lps, rewards = [], [], [], []
@@ -226,7 +232,7 @@ def _rows(groups: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     seq_rewards = torch.zeros_like(b["mask"])
     seq_rewards[torch.arange(len(comps)), b["lengths"] - 1] = torch.tensor(rewards)
     return {"input_ids": b["input_ids"], "mask": b["mask"], "rewards": seq_rewards, "rollout_logp": b["rollout_logp"],
-            "lengths": b["lengths"]}
+            "lengths": b["lengths"].tolist()}
 
 
 def cli(argv: list[str] | None = None) -> None:

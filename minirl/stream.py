@@ -30,7 +30,7 @@ carries the engine's bf16 kernel mismatch. `ppo_logprob_gap` (mean |trainer - en
 shows both together.
 
 Devices: a chunk arrives on the host and moves to the trainer's device once, on entry
-(`batch.to_device`); everything the pump keeps for the close (old values, returns, advantages)
+(`batch.to_device`), but for its `lengths`, a host list (models.layout plans on the host); everything the pump keeps for the close (old values, returns, advantages)
 is on that device.
 
 Memory: the policy runs each chunk in micro-batches of `policy_micro_rows` rows and the critic
@@ -38,7 +38,7 @@ the assembled batch in micro-batches of `critic_micro_rows`, both into open accu
 whose deferred divisor (accumulator.py) makes the step exact at any size.
 
 Shapes: a chunk is a dict of (B_c, T) tensors `input_ids`, `mask`, `rewards` (the sequence
-reward on its last completion token) and optional `rollout_logp`.
+reward on its last completion token) and optional `rollout_logp`, and `lengths` (B_c host ints).
 """
 
 from __future__ import annotations
@@ -276,16 +276,19 @@ class TrainPump:
 
 
 def _slice_rows(c: dict, rows: slice) -> dict:
-    """The rows `rows` of a chunk's per-row tensors (B_c, ...); other entries as they are."""
-    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in c.items()}
+    """The rows `rows` of a chunk's per-row tensors (B_c, ...) and of its `lengths` list; other entries as they are."""
+    return {k: v[rows] if isinstance(v, list) or isinstance(v, torch.Tensor) and v.dim() else v for k, v in c.items()}
 
 
-def _stack(rows, keys) -> dict[str, torch.Tensor]:
-    """Rows from different chunks (each padded to its own length) -> one right-padded batch."""
+def _stack(rows, keys) -> dict:
+    """Rows from different chunks (each padded to its own length) -> one right-padded batch; `lengths`
+    stays a host list."""
     T = max(c["input_ids"].shape[1] for c, _ in rows)
     out = {}
-    for k in (k for k in keys if k in rows[0][0]):  # per-row scalars (lengths) stack as they are
-        parts = [c[k][i] if c[k].dim() == 1 else torch.nn.functional.pad(c[k][i], (0, T - c[k].shape[1]))
-                 for c, i in rows]
-        out[k] = torch.stack(parts)
+    for k in (k for k in keys if k in rows[0][0]):
+        if isinstance(rows[0][0][k], list):
+            out[k] = [c[k][i] for c, i in rows]
+            continue
+        out[k] = torch.stack([c[k][i] if c[k].dim() == 1 else torch.nn.functional.pad(c[k][i], (0, T - c[k].shape[1]))
+                              for c, i in rows])
     return out

@@ -1,0 +1,498 @@
+"""The GPU trainer rehearsed on a CPU: `--dry-run --rehearse` on both entrypoints.
+
+    python -m minirl.ppo <a recipe's flags> --dry-run --rehearse --dry-run-world-size 8 --dry-run-device cuda
+
+runs minirl's own trainer code, not a copy of it, for train rank 0 of the world the flags describe,
+on fake CUDA tensors: tensors with a shape, a dtype and a device but no storage (torch's
+FakeTensorMode). The other ranks are played by torch's `fake` process-group backend, the models
+are built from config.json alone (no weights), and torch's FSDPMemTracker measures the step.
+
+- GRPO: one optimizer step, the first mini-batch's micro-batches in full (reference scored first,
+  policy forward and backward, accumulator, clip, step) between the hand-off's onload and the
+  weight-sync gather and offload (`grpo.update`, `offload.HandOff`).
+- PPO: one step of `stream.TrainPump`: every chunk of the step (value forward, reference and
+  policy forward, backward), then the close (policy step, refit, the critic's epochs), with the
+  offload switches between policy and critic. The refit is the real gather and bucket packing
+  (`dist.full_parameters`, `refit.send`; disaggregated) or the hand-off's publish (colocated).
+- Both: then what a checkpoint and the export run on the card (`_save_and_export`): the
+  finiteness check, DCP's sharded state dicts and the export's full-parameter gather. The writes
+  themselves need bytes a fake tensor does not have, so they are not rehearsed.
+- Rows are the recipe's micro-batch and chunk sizes at the full sequence length (prompt plus
+  completion tokens: the worst case), except, when there are several, in the first micro-batch or
+  chunk: its two first rows are half as long, so the padding-free path runs too. bf16 compute,
+  float32 masters, as a GPU run.
+
+It prints, per loop and model, the tracker's peak per card by category beside the plan's estimate
+(plan.py) and the verdict against --dry-run-card-gib with the engine's share; the last line is
+
+    rehearsal <loop> <model> world <W>: peak <X> GiB per card, plan <Y> GiB, device mismatches 0 ...
+
+A CUDA tensor meeting a CPU one stops it with the op and minirl's line (exit 1). The peak combines
+two readings: the tracker's forward/backward peak, taken with AdamW's moments already resident (a
+warm-up step with zero gradients creates them first, as every step after a run's first has them),
+and nothing from inside `optimizer.step()`, where fake mode allocates what the fused kernel updates
+in place. What it cannot show: kernels' own workspaces (cuBLAS, attention), allocator
+fragmentation, NCCL's buffers, vLLM's memory (the plan's engine share stands in), and the
+determinism probe's one-off forward (off here).
+
+How: a CPU build of torch has no CUDA device guard or hooks, so a forward on fake CUDA aborts in
+C++; fakecuda.cpp registers torch's own FakeGuardImpl and a hooks object that reports devices.
+It is compiled on first use (g++, against the headers the torch wheel ships) into minirl's cache
+folder and preloaded (LD_PRELOAD) into a child process before torch is imported (`run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+
+import torch
+
+from minirl.config import ConfigError
+
+GIB = 2**30
+SOURCE = os.path.join(os.path.dirname(__file__), "fakecuda.cpp")
+
+
+# ---- the parent: compile the stand-ins once, rehearse in a child process ----
+
+def run(argv: list[str], loop: str) -> None:
+    """Rehearse `loop` ("grpo" or "ppo") with the flags `argv` in a child process; exit as it did."""
+    if torch.version.cuda or torch.version.hip:
+        raise ConfigError("--rehearse plays a GPU on a CPU-only torch; this torch is built for GPUs: run the "
+                          "recipe itself on one node to measure it")
+    lib = fake_cuda_library()
+    env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, (lib, os.environ.get("LD_PRELOAD"))))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # the child plays its own world
+        env.pop(k, None)
+    env["MINIRL_REHEARSAL_WORLD"] = os.environ.get("WORLD_SIZE", "1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend's teardown warns of hooks it never had
+    code = subprocess.call([sys.executable, "-m", "minirl.rehearse", loop, *argv], env=env)
+    if code:
+        raise SystemExit(code)
+
+
+def fake_cuda_library() -> str:
+    """fakecuda.cpp compiled for this torch, once, into minirl's cache folder; its path."""
+    from minirl.models import cache_dir
+    torch_dir = os.path.dirname(torch.__file__)
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha1(f.read() + torch.__version__.encode() + torch_dir.encode()).hexdigest()[:10]
+    out = os.path.join(cache_dir(), f"fakecuda-{key}.so")
+    if os.path.isfile(out):
+        return out
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        raise ConfigError("--rehearse needs a C++ compiler to build its CUDA stand-ins against torch's headers "
+                          "(once); none is on PATH: install g++ or set CXX")
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    lib = os.path.join(torch_dir, "lib")
+    cmd = [cxx, "-O1", "-shared", "-fPIC", "-std=c++20", "-w", f"-I{os.path.join(torch_dir, 'include')}",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", SOURCE, "-o", tmp,
+           f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    print(f"rehearsal: compiling the CUDA stand-ins for torch {torch.__version__} (once) into {out}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise ConfigError(f"--rehearse: {os.path.basename(cxx)} could not build {SOURCE}: "
+                          + " | ".join(done.stderr.strip().splitlines()[-3:]))
+    os.replace(tmp, out)
+    return out
+
+
+# ---- the child: fake CUDA, a fake world, the real trainer ----
+
+def main(argv: list[str]) -> None:
+    """`python -m minirl.rehearse <grpo|ppo> <flags>`, started by `run` with the stand-ins preloaded."""
+    from minirl import grpo, launch, ppo
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    loop, flags = argv[0], argv[1:]
+    cls, doc = (GRPOArgs, grpo.__doc__) if loop == "grpo" else (PPOArgs, ppo.__doc__)
+    launch.run(f"minirl.{loop} --rehearse", lambda a: rehearse(loop, launch.parse(cls, a, doc)), flags)
+
+
+def rehearse(loop: str, args) -> list[str]:
+    import torch.distributed as tdist
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from minirl import dist, plan
+
+    if "fakecuda" not in os.environ.get("LD_PRELOAD", ""):
+        raise ConfigError("minirl.rehearse runs under `--dry-run --rehearse`, which preloads its CUDA stand-ins")
+    world_size = args.dry_run_world_size or int(os.environ.get("MINIRL_REHEARSAL_WORLD", "1"))
+    args.validate(world_size)
+    hf, source = plan.model_config(args.model)
+    if hf is None:
+        raise ConfigError(f"--rehearse needs the model's config.json; none is readable offline for {source!r}")
+    disaggregated = loop == "ppo" and args.grid.gpu_placement == "disaggregated"
+    W = world_size - (args.grid.rollout_ranks if disaggregated else 0)  # train ranks: the fake backend plays 1..W-1
+    _stand_ins()
+    tdist.init_process_group("cpu:fake,cuda:fake", rank=0, world_size=W, store=FakeStore())
+    world = dist.World(0, W, 0, torch.device("cuda", 0))
+    dist.device_mesh("cuda", W)  # outside fake mode, which cannot build one
+    name = os.path.basename(os.path.dirname(source)) if source.endswith("config.json") else args.model.path
+    batch, step = (_grpo_batch, _grpo) if loop == "grpo" else (_ppo_chunks, _ppo)
+    data = batch(args, world)  # on the host with real numbers, before fake mode
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), _flash_attention():
+            peak = step(args, world, _hf_config(hf), data)
+    except FakeTensorDeviceMismatchError as e:
+        where = _minirl_frame(e)
+        print(f"rehearsal {loop} {name} world {W}: device mismatch in {e.func}: {e.common_device} meets {e.device}"
+              f" at {where}; device mismatches 1 (the first stops the rehearsal)", flush=True)
+        raise SystemExit(1) from None
+    tdist.destroy_process_group()
+    lines = _report(loop, name, W, peak, args, world_size, hf, source, disaggregated)
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _grpo_batch(args, world):
+    """This rank's first mini-batch in a RolloutStore, planned as grpo.main plans it."""
+    from minirl.batch import RolloutStore, pack, plan_chunks
+    rows, micro = args.mini_batch // world.world_size, args.micro_batch // world.world_size
+    batch = pack(_samples(rows, micro, args), torch.ones(rows), 0)
+    chunks = plan_chunks(batch["lengths"].tolist(), 1, micro, args.rl.max_tokens_per_micro_batch,
+                         packed=args.model.packing)
+    return RolloutStore(batch, chunks, reads_per_chunk=1 + args.needs_cached_old_logprobs, device=world.device)
+
+
+def _grpo(args, world, cfg, store):
+    """One optimizer step of GRPO's update on the store's mini-batch, inside the hand-off."""
+    from minirl import dist, grpo, models
+    from minirl.accumulator import Accumulator, lr_schedule
+    from minirl.offload import HandOff, TrainerOffload
+    rl, dtype = args.rl, models.DTYPES[args.model.dtype]
+    policy = _build(cfg, "policy", world, args)
+    ref = _build(cfg, "reference", world, args) if rl.kl_coef else None
+    optimizer = models.adamw(policy, rl.lr, rl.weight_decay)
+    _warm(policy, optimizer)
+    acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm, schedule=lr_schedule(rl.lr, 0, 1))
+    probe = grpo.Probe(policy)
+    probe.done = True  # its one-off forward at a run's first step is not the steady state
+    handoff = HandOff(_Engine(), TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy, dtype),
+                      enabled=rl.colocated_offload)
+    handoff.start_fresh()
+    one_epoch = dataclasses.replace(args, rl=dataclasses.replace(rl, mu_iterations=1))
+    with _tracker([(policy, optimizer), (ref, None)]) as tracker:
+        handoff.to_trainer()
+        grpo.update(policy, ref, acc, store, one_epoch, probe, args.needs_cached_old_logprobs)
+        handoff.save_in_update_window(lambda: _save_and_export({"policy": (policy, optimizer)}, dtype))
+        handoff.publish()  # the weight-sync gather at the real shape, then the trainer's offload
+    store.close()
+    return tracker.peak()
+
+
+def _ppo_chunks(args, world) -> list[dict]:
+    """The step's chunks for this rank, as ppo.train hands them to the pump (`ppo._rows`)."""
+    from minirl import ppo
+    p = args.ppo
+    per_chunk = args.async_rl.min_groups_for_streaming_train if args.streaming else p.num_prompts_per_step
+    n, mine = -(-p.num_prompts_per_step // per_chunk), max(1, per_chunk // world.world_size)
+    return [{**ppo._rows(_groups(mine, p.num_generations_per_prompt, args, first=k == 0 < n - 1), 0),
+             "groups": per_chunk} for k in range(n)]
+
+
+def _ppo(args, world, cfg, chunks):
+    """One PPO step through the real TrainPump: every chunk of the step, then the close."""
+    from minirl import dist, models, ppo, refit
+    from minirl.accumulator import Accumulator, lr_schedule
+    from minirl.offload import TrainerOffload
+    from minirl.placement import EngineGroups
+    from minirl.stream import TrainPump
+    p, dtype = args.ppo, models.DTYPES[args.model.dtype]
+    policy, value = _build(cfg, "policy", world, args), _build(cfg, "value", world, args)
+    ref = _build(cfg, "reference", world, args) if p.kl_coef else None
+    policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
+    _warm(policy, policy_opt)
+    _warm(value, value_opt)
+    offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)
+    colocated = args.grid.gpu_placement == "colocated"
+    if colocated:  # the real EngineGroups hand-off, around an engine that is not there
+        source = EngineGroups.__new__(EngineGroups)
+        source.args, source.world, source.engine = args, world, _Engine()
+        source.start(0, policy, offload)
+        publish = lambda: source.refit(1, policy)  # noqa: E731
+    else:
+        wire = _Wire(world.device)
+        publish = lambda: refit.send(wire, refit.manifest(policy, dtype), dist.full_parameters(policy, dtype))  # noqa: E731
+    acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm, schedule=lr_schedule(p.lr, 0, 1))
+    with _tracker([(policy, policy_opt), (value, value_opt), (ref, None)]) as tracker:
+        if colocated:
+            source.handoff.to_trainer()
+        pump = TrainPump(policy, value, acc, value_opt, ppo.pump_config(args, 0, colocated), 0, refit=publish,
+                         ref=ref, log=lambda line: None, policy_off=offload[0], value_off=offload[1],
+                         device=world.device, value_schedule=lr_schedule(p.value_lr, 0, 1))
+        for c in chunks:
+            pump.chunk(c)
+        pump.close()
+        for o in offload:  # ppo.train's save(): both models resident between steps
+            o.onload()
+        _save_and_export({"policy": (policy, policy_opt), "value": (value, value_opt)}, dtype)
+    return tracker.peak()
+
+
+def _save_and_export(parts: dict, dtype: torch.dtype) -> None:
+    """What a checkpoint and the export do on the card: the finiteness check, DCP's sharded state dicts
+    (no full gather; writing them needs bytes a fake tensor does not have), and the export's gather of
+    every full parameter in turn (as on ranks 1..W-1, which gather and do not write)."""
+    from minirl import checkpoint
+    checkpoint.require_finite({name: model for name, (model, _) in parts.items()})
+    checkpoint.state_dicts(parts)
+    checkpoint.export_hf(parts["policy"][0], "", "", False, dtype)
+
+
+# ---- the rehearsal's batch, models and world ----
+
+def _tokens(n: int) -> list[int]:
+    return [(7 * i + 3) % 1000 + 1 for i in range(max(1, n))]
+
+
+def _samples(rows: int, micro: int, args):
+    """`rows` samples of the full prompt and completion lengths, but for the first two when there are
+    two micro-batches or more: half as long, so the first micro-batch packs them into one lane (the
+    later ones, full length, meet the gradients already resident: the step's peak)."""
+    from minirl.rollout import Samples
+    Tp, Tc = args.rollout.max_prompt_tokens, args.rollout.max_tokens
+    short = {0, 1} if 2 <= micro < rows else set()
+    prompts = [_tokens(Tp // 2 if r in short else Tp) for r in range(rows)]
+    comps = [_tokens(Tc // 2 if r in short else Tc) for r in range(rows)]
+    return Samples(list(range(rows)), prompts, comps, [[-1.0] * len(c) for c in comps], ["length"] * rows)
+
+
+def _groups(count: int, G: int, args, first: bool) -> list[dict]:
+    """`count` groups of G samples of the full lengths, as placement._group hands them over; in the first
+    of several chunks the first two groups are half as long (packed together)."""
+    Tp, Tc = args.rollout.max_prompt_tokens, args.rollout.max_tokens
+    out = []
+    for g in range(count):
+        half = first and g < 2 <= count
+        n = Tc // 2 if half else Tc
+        out.append({"prompt": torch.tensor(_tokens(Tp // 2 if half else Tp)),
+                    "completions": torch.tensor([_tokens(n)] * G), "lengths": torch.full((G,), max(1, n)),
+                    "logprobs": torch.full((G, max(1, n)), -1.0), "rewards": torch.ones(G),
+                    "clipped": torch.zeros(G, dtype=torch.bool), "version": torch.tensor(0)})
+    return out
+
+
+def _hf_config(hf: dict):
+    from transformers import AutoConfig
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    return AutoConfig.for_model(hf.get("model_type", "qwen2"), **fields)
+
+
+def _build(cfg, kind: str, world, args):
+    """A model as models.sharded builds it, from its config alone: on the meta device, FSDP2-sharded
+    over the world, then given (fake) storage on the card. The load-time checks' verdicts are those
+    of a Qwen2/Llama: packed rows stay apart (--model.packing), the chunked head equals the logits."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from minirl import dist, models
+    dtype = models.DTYPES[args.model.dtype]
+    cfg.use_cache = False  # no KV cache in training, as models.load_* set it
+    with torch.device("meta"):
+        if kind == "value":
+            backbone = AutoModel.from_config(cfg, dtype=torch.float32)
+            model = models.ValueModel(backbone, cfg.hidden_size)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32 if kind == "policy" else dtype)
+    if kind == "reference":
+        model.eval().requires_grad_(False)
+    model.pack_rows, model.chunked_head = args.model.packing, True
+    dist.shard(model, world, dtype)
+    return model.to_empty(device=world.device)
+
+
+def _warm(model, optimizer) -> None:
+    """AdamW's moments exist from a run's first step on: create them with one zero-gradient step."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _Engine:
+    """The colocated engine's place in the hand-off: sleeps and wakes, and takes the weight sync."""
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def wake_up(self, tags=None) -> None:
+        pass
+
+    def load_weights(self, named) -> None:
+        for _ in named:  # one gathered parameter at a time, as the engine copies them in
+            pass
+
+
+class _Wire:
+    """The refit group's place: a broadcast that is done at once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        return self
+
+    def wait(self) -> None:
+        pass
+
+
+# ---- what fake mode needs answered ----
+
+def _stand_ins() -> None:
+    """Python stand-ins for what torch.cuda asks of a driver (the C++ ones are preloaded), and answers
+    for what a fake tensor cannot know: a value read on the host (`.item()`, `bool()`, `.tolist()`) is
+    1 / True unless fake mode knows the constant (a finiteness flag reads finite, a token count
+    nonzero), and pinning is a no-op. torch.cuda.is_available() stays False: fake mode then never
+    initialises a device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            pass
+
+        wait_stream = wait_event = synchronize = lambda self, *a: None  # noqa: E731
+        record_event = lambda self, e=None: e or Event()  # noqa: E731
+
+    class Event:
+        def __init__(self, *a, **k):
+            pass
+
+        record = wait = synchronize = lambda self, *a: None  # noqa: E731
+        query = lambda self: True  # noqa: E731
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.Stream, torch.cuda.Event = Stream, Event
+    torch.cuda.current_stream = lambda *a, **k: Stream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+    def answer(t):
+        if t.constant is not None:
+            return t.constant.item()
+        return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
+
+    FakeTensor.item = answer
+    FakeTensor.__bool__ = lambda t: bool(answer(t))
+    FakeTensor.__float__ = lambda t: float(answer(t))
+    FakeTensor.__int__ = lambda t: int(answer(t))
+    FakeTensor.tolist = lambda t: t.constant.tolist() if t.constant is not None else (
+        [FakeTensor.tolist(x) for x in t.unbind(0)] if t.dim() else answer(t))
+    torch.Tensor.pin_memory = lambda t, *a, **k: t  # real host tensors too: fake mode has no pinned memory
+
+
+@contextlib.contextmanager
+def _flash_attention():
+    """SDPA through the flash kernel: fake mode would take the math path, whose float32 scores a GPU
+    never holds. (The padding-free path's block mask is then unused: the kernel's memory is the same.)"""
+    plain = torch.nn.functional.scaled_dot_product_attention
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, False, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = flash
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = plain
+
+
+# ---- measuring ----
+
+def _tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(FSDPMemTracker):
+        """FSDPMemTracker over several FSDP2 models and their optimizers at once, that takes a root's
+        forward per micro-batch (it refuses a second), and whose peak skips optimizer.step()'s inside."""
+
+        def __init__(self, pairs):
+            self.pairs = [(m, o) for m, o in pairs if m is not None]
+            super().__init__(self.pairs[0][0], self.pairs[0][1])
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            handles = []
+            for model, optimizer in self.pairs:
+                self._root_mod, self._optm, self._optimizer_hook_handles = model, optimizer, None
+                self._instrument_fsdp_module()
+                self._instrument_optimizer()
+                handles += self._optimizer_hook_handles or ()
+            self._optimizer_hook_handles = tuple(handles) or None
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+            roots = [m for m, _ in self.pairs]
+
+            def again(*a, **k):
+                if any(fsdp_mod is r for r in roots) and not self._mod_tracker.is_bw:
+                    self.memory_tracking.pop(fsdp_mod, None)  # a new module record; the run's peak stays
+                return inner(*a, **k)
+            return again
+
+        def _update_peak_stats(self, peak_state) -> None:
+            """The run's peak only (no per-module peaks: a walk over every module's record per op)."""
+            if self._in_opt:
+                return
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
+        def peak(self) -> dict[str, float]:
+            snap = next((s for d, s in self.get_tracker_snapshot("peak").items() if d.type == "cuda"), {})
+            g = {k: v / GIB for k, v in snap.items()}
+            return {"params": g.get("Sharded Param", 0) + g.get("Unsharded Param", 0) + g.get("Buffer", 0),
+                    "grads": g.get("Sharded Grad", 0) + g.get("Unsharded Grad", 0),
+                    "optimizer": g.get("OptState", 0), "activations": g.get("Activation", 0),
+                    "temporaries": g.get("Temp", 0) + g.get("All Gather", 0) + g.get("Reduce Scatter", 0)
+                    + g.get("Inputs", 0)}
+
+    return Tracker
+
+
+def _tracker(pairs):
+    return _tracker_class()(pairs)
+
+
+def _minirl_frame(e: BaseException) -> str:
+    """The innermost line of minirl's own code in `e`'s traceback."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename).startswith(here)]
+    f = frames[-1] if frames else traceback.extract_tb(e.__traceback__)[-1]
+    return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno} ({f.name}: {f.line})"
+
+
+def _report(loop, name, W, peak, args, world_size, hf, source, disaggregated) -> list[str]:
+    from minirl import plan
+    estimate = plan.train_rank_terms(args, world_size, hf)
+    trainer, planned = sum(peak.values()), sum(estimate.values())
+    role = "train" if disaggregated else "both"
+    card = plan.card_peak(args, role, trainer)
+    fits = "fits" if card <= args.dry_run_card_gib else "DOES NOT FIT"
+    show = lambda d: " ".join(f"{k} {v:.2f}" for k, v in d.items())  # noqa: E731
+    share = f"engine {plan.engine_gib(args, role):.1f}, " if role == "both" else ""
+    return [f"rehearsal {loop} {name} world {W}: rehearsed GiB per card: {show(peak)}",
+            f"rehearsal {loop} {name} world {W}: plan GiB per card: {show(estimate)}",
+            f"rehearsal {loop} {name} world {W}: card peak {card:.1f} of {args.dry_run_card_gib:g} GiB "
+            f"({share}trainer {trainer:.1f}, context {plan.BASELINE_GIB:g}): {fits}",
+            f"rehearsal {loop} {name} world {W}: peak {trainer:.2f} GiB per card, plan {planned:.2f} GiB, "
+            f"device mismatches 0 ({planned / trainer - 1:+.0%} plan vs rehearsal; {fits})"]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
