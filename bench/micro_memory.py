@@ -7,6 +7,8 @@ is what fixes the OOM), through the real update path (grpo.update, FSDP2 world o
         # a real vocabulary: the full-vocabulary log-softmax (before) vs the chunked logprob head (after)
     python bench/micro_memory.py --n-micro 1 --packing off on
         # padded (before) vs padding-free (--model.packing): the rows' lengths are 1024, 512, 341, 256
+    python bench/micro_memory.py --n-micro 1 --checkpointing off on
+        # every block's activations kept (before) vs --model.activation-checkpointing: peak and step time
 
 --budget-mib caps the address space this process may ADD after the model and batch are built
 (RLIMIT_AS = current size + budget), so a step that needs more fails with an out-of-memory error.
@@ -66,7 +68,8 @@ def policy_model(path: str, vocab: int | None):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logprobs="chunked", packing="off"):
+def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logprobs="chunked", packing="off",
+             checkpointing="off"):
     world = dist.init()
     args = GRPOArgs()
     args.rl.group_size, args.rl.batch_per_replica = 2, rows
@@ -75,7 +78,11 @@ def one_step(path, n_micro, rows, completion, budget_mib=None, vocab=None, logpr
     if logprobs == "plain":  # before: the full-vocabulary float32 log-softmax of the whole micro-batch
         from minirl import grpo, models
         grpo.score = models.plain_token_logprobs
-    policy = dist.shard(policy_model(path, vocab), world, torch.float32)
+    model = policy_model(path, vocab)
+    if checkpointing == "on":
+        from minirl.models import checkpoint_blocks
+        checkpoint_blocks(model)
+    policy = dist.shard(model, world, torch.float32)
     policy.pack_rows = packing == "on"
     if policy.pack_rows:
         from minirl.models import packing_error
@@ -105,7 +112,7 @@ def worker(a) -> None:
     """One configuration in this process (a peak RSS is a per-process high-water mark)."""
     try:
         peak, grads, timing = one_step(resolve_path(ModelConfig()), a.worker, a.rows, a.completion, a.budget_mib,
-                                       a.vocab, a.logprobs[0], a.packing[0])
+                                       a.vocab, a.logprobs[0], a.packing[0], a.checkpointing[0])
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
             raise
@@ -115,7 +122,7 @@ def worker(a) -> None:
         sys.exit(3)
     torch.save(grads, a.grads)
     print(json.dumps({"n_micro": a.worker, "logprobs": a.logprobs[0], "packing": a.packing[0],
-                      "peak_mib": round(peak, 1), **timing}),
+                      "checkpointing": a.checkpointing[0], "peak_mib": round(peak, 1), **timing}),
           flush=True)
 
 
@@ -130,6 +137,8 @@ def main():
                     help="plain: the full-vocabulary log-softmax (before the chunked head); chunked: minirl's")
     ap.add_argument("--packing", nargs="+", default=["off"], choices=["off", "on"],
                     help="on: rows packed end to end (--model.packing); off: padded to the longest row")
+    ap.add_argument("--checkpointing", nargs="+", default=["off"], choices=["off", "on"],
+                    help="--model.activation-checkpointing off (every block's activations kept) and/or on")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--grads", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -142,10 +151,11 @@ def main():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     with tempfile.TemporaryDirectory() as tmp:
-        for n, lp, pk in [(n, lp, pk) for pk in a.packing for lp in a.logprobs for n in a.n_micro]:
-            gfile = os.path.join(tmp, f"g{n}{lp}{pk}.pt")
+        for n, lp, pk, ac in [(n, lp, pk, ac) for ac in a.checkpointing for pk in a.packing for lp in a.logprobs
+                              for n in a.n_micro]:
+            gfile = os.path.join(tmp, f"g{n}{lp}{pk}{ac}.pt")
             cmd = [sys.executable, __file__, "--worker", str(n), "--grads", gfile, "--logprobs", lp, "--packing", pk,
-                   "--rows", str(a.rows), "--completion", str(a.completion)]
+                   "--checkpointing", ac, "--rows", str(a.rows), "--completion", str(a.completion)]
             if a.budget_mib is not None:
                 cmd += ["--budget-mib", str(a.budget_mib)]
             if a.vocab:

@@ -51,6 +51,10 @@ class ModelConfig:
     packing: bool = True
     """Padding-free training: each micro-batch's rows packed end to end (positions restarting per row),
     so no compute goes to pads. Checked at load to give the padded numbers; off for a model that fails it."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward (policy and critic): a block keeps only its
+    input for backward, so activations shrink by about the number of layers, for a second forward of
+    each block. On in the GPU recipes; off by default (the CPU demo's blocks are tiny)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 

@@ -32,7 +32,7 @@ from minirl.gae import group_advantages
 from minirl.logger import RunLog, engine_log, memory_peak_gib, sample_metrics
 from minirl.models import token_logprobs as score
 from minirl.objective import logprob_gap, policy_loss
-from minirl.offload import HandOff, Profile, TrainerOffload
+from minirl.offload import HandOff, Profile, Together, TrainerOffload
 from minirl.rollout import Engine, check_model
 from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_task, prompt_id
 
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = models.DTYPES[args.model.dtype]
     with log.phase("build_trainer", announce="loading the policy (FSDP2)"):
-        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
+        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing,
+                                checkpointing=args.model.activation_checkpointing)  # float32 masters
         ref = models.sharded(path, "reference", world, args.model.dtype, like=policy) if rl.kl_coef else None
     log.info(models.load_report(args.model.packing, policy))
     optimizer = models.adamw(policy, rl.lr, rl.weight_decay)
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
                         seed=args.seed, sleep_mode=rl.colocated_offload,
                         log_file=engine_log(args.log, world.rank, world.world_size > 1))
     profile = Profile(world.device)
-    handoff = HandOff(engine, TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy, dtype),
-                      enabled=rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
+    handoff = hand_off(engine, policy, optimizer, ref, args, profile)
 
     def save() -> None:
         checkpoint.save(args.checkpoint_dir, step + 1, {"policy": (policy, optimizer)}, keep=args.checkpoint.keep,
@@ -208,6 +208,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         log.close()
     return record
+
+
+def hand_off(engine, policy, optimizer, ref, args: GRPOArgs, profile: Profile | None = None) -> HandOff:
+    """The card's hand-off between the engine and all the trainer holds: the policy with its optimizer,
+    and the frozen reference (B20); the engine gets the policy in the compute dtype."""
+    trainer = Together(TrainerOffload(policy, optimizer), *([TrainerOffload(ref)] if ref is not None else []))
+    return HandOff(engine, trainer, lambda: dist.full_parameters(policy, models.DTYPES[args.model.dtype]),
+                   enabled=args.rl.colocated_offload, sleep_level=args.rollout.sleep_level, profile=profile)
 
 
 def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, probe: "Probe",

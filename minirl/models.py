@@ -201,8 +201,14 @@ class ValueModel(nn.Module):
         lay = layout(self, input_ids, lengths)                          # padding-free when it packs
         ids = lay.pack(input_ids) if lay else input_ids
         hidden = self.model(input_ids=ids, position_ids=lay.positions if lay else None).last_hidden_state
-        v = self.score(hidden).squeeze(-1).float()                      # V after each token
+        v = value_head(hidden, self.score)                              # V after each token
         return _before(v, lay)                                          # (B, T): V before each token
+
+
+def value_head(hidden: torch.Tensor, score: nn.Linear) -> torch.Tensor:
+    """(B, T, H) -> (B, T) float32, computed in float32 (the head is one row: the cast is cheap), where
+    a bf16 result would round each value to 8 bits of mantissa."""
+    return nn.functional.linear(hidden.float(), score.weight.float(), score.bias.float()).squeeze(-1)
 
 
 def load_value(path: str) -> ValueModel:
@@ -214,7 +220,8 @@ def load_value(path: str) -> ValueModel:
     return ValueModel(backbone, backbone.config.hidden_size)
 
 
-def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None) -> nn.Module:
+def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,
+            checkpointing: bool = False) -> nn.Module:
     """The trainer's models as both entrypoints build them: loaded (policy and value in float32
     master weights, the frozen reference in `dtype`), then FSDP2-sharded to compute in `dtype`
     (`--model.dtype`) on the world's device (dist.shard).
@@ -223,7 +230,9 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
     `pack` (--model.packing): train padding-free (`model.pack_rows`) if the model keeps packed rows
     apart (`packing_error`); and the policy's chunked logprob head is used only where it equals the
     model's own logits (`model.chunked_head`, `chunked_head_error`). The reference shares the
-    policy's architecture: it takes both verdicts from `like`, the policy."""
+    policy's architecture: it takes both verdicts from `like`, the policy. `checkpointing`
+    (--model.activation-checkpointing): the policy's and critic's blocks recompute in backward
+    (`checkpoint_blocks`); the reference never runs backward."""
     from minirl import dist
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
     model = load(path)
@@ -232,7 +241,30 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
     else:
         model.pack_rows = pack and packing_error(model) is None
         model.chunked_head = kind != "policy" or chunked_head_error(model) is None
+    if checkpointing and kind != "reference":
+        checkpoint_blocks(model)
     return dist.shard(model, world, DTYPES[dtype])
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing per decoder block: under autograd each block's forward runs inside a
+    non-reentrant `torch.utils.checkpoint`, which keeps only the block's inputs and reruns it in
+    backward. The block's own forward is wrapped, not the block, so parameter names stay those of the
+    Hugging Face model (checkpoints, export, weight sync) and FSDP2's hooks stay outside the
+    checkpoint (its pre-backward hook gathers the block's parameters before the rerun), as torchtitan
+    wraps blocks before sharding them. No-grad forwards (reference, pi_old, values) run as before."""
+    from minirl import dist
+    for block in dist.decoder_blocks(model):
+        block.forward = _recomputed(block.forward)
+    return model
+
+
+def _recomputed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
 
 
 def load_report(asked: bool, policy: nn.Module) -> str:
@@ -396,9 +428,37 @@ class _ChosenLogprobs(nn.Module):
 
 
 def _piece_logprobs(h, w, b, y):
-    logits = nn.functional.linear(h, w, b).float()                      # (n, V)
+    logits = _FloatLogits.apply(h, w)                                   # (n, V) float32
+    if b is not None:
+        logits = logits + b.float()
     lse = logits.logsumexp(-1)                                          # (n,)
     lp = logits.gather(-1, y[:, None]).squeeze(-1) - lse                # (n,)
     with torch.no_grad():
         ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)        # (n,): H = lse - E[logit]
     return torch.stack([lp, ent], -1)                                   # (n, 2)
+
+
+class _FloatLogits(torch.autograd.Function):
+    """h (n, H) @ w (V, H)^T with a float32 result from compute-dtype inputs. A bf16 result would round
+    every logit to 8 bits of mantissa (about 0.06 at a logit of 16) before the float32 log-softmax; the
+    products are exact in float32 and the matmul accumulates in float32 anyway. On CUDA that is
+    `torch.mm(..., out_dtype=float32)` (no float copy of the head's weight; it has no autograd, hence
+    this Function); elsewhere the inputs are cast. Backward as for a plain linear in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        if h.dtype == torch.float32:
+            return h @ w.t()
+        if h.device.type == "cuda":
+            try:
+                return torch.mm(h, w.t(), out_dtype=torch.float32)
+            except NotImplementedError:  # a torch without the CUDA kernel: cast, as on the host
+                pass
+        return h.float() @ w.float().t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w = ctx.saved_tensors
+        grad = grad.to(h.dtype)
+        return grad @ w, grad.t() @ h

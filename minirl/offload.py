@@ -10,6 +10,8 @@ Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
   is copied to a host buffer and then resized to 0 bytes, so the release is real and
   observable on CPU too (storage size 0 while offloaded); onload resizes and copies back, so
   every view (FSDP2's sharded parameters are views into padded storages) sees its data again.
+  `Together` moves several models as one: nothing of the trainer (the frozen reference and PPO's
+  critic included) stays on the card while the engine is awake.
 - `HandOff` drives the engine and the trainer in that order, and owns the checkpoint windows
   (B22-B23) and the exceptional-exit rule (B24). With `rl.colocated_offload=false`, or under
   disaggregated placement, it does nothing but the weight sync (B26).
@@ -28,7 +30,10 @@ from minirl import dist
 
 
 class TrainerOffload:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep_grads: bool = False):
+    """One model's (and its optimizer's, if it has one: the frozen reference has none) device memory."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 keep_grads: bool = False):
         self.model, self.optimizer, self.keep_grads = model, optimizer, keep_grads
         self.host: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}  # by storage identity (_key)
         self.offloaded = False
@@ -39,7 +44,7 @@ class TrainerOffload:
             if p.grad is not None and not self.keep_grads:
                 g = p.grad
                 yield g.to_local() if hasattr(g, "to_local") else g
-        for state in self.optimizer.state.values():
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:  # AdamW's scalar `step` stays
                     yield v.to_local() if hasattr(v, "to_local") else v
@@ -89,6 +94,22 @@ class TrainerOffload:
             torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(copy, non_blocking=False)
         self.host.clear()
         self.offloaded = False
+
+
+class Together:
+    """Several models moved as one: what a colocated rank's trainer holds (the policy with its
+    optimizer, the frozen reference, PPO's critic) leaves the card while the engine is awake."""
+
+    def __init__(self, *parts: TrainerOffload):
+        self.parts = parts
+
+    def offload(self) -> None:
+        for p in self.parts:
+            p.offload()
+
+    def onload(self) -> None:
+        for p in self.parts:
+            p.onload()
 
 
 def _key(s: torch.UntypedStorage) -> int:

@@ -36,7 +36,6 @@ import math
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load as st_load
@@ -45,7 +44,7 @@ from safetensors.torch import save as st_save
 from minirl import dist, models, refit
 from minirl.config_ppo import PPOArgs
 from minirl.logger import engine_log, memory_peak_gib
-from minirl.offload import HandOff
+from minirl.offload import HandOff, Together
 from minirl.rollout import Engine, Samples
 from minirl.sampler import Group, ReadyGroups
 from minirl.tasks import encode_prompt, held_out_accuracy, make_task, prompt_id
@@ -343,11 +342,10 @@ class EngineGroups:
 
     def start(self, step: int, policy, offload, load=None) -> None:
         policy_off = offload[0]
-        both = SimpleNamespace(offload=lambda: [o.offload() for o in offload],
-                               onload=lambda: [o.onload() for o in offload])
+        everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]
         weights = lambda: (policy_off.onload(), dist.full_parameters(policy, dtype))[1]  # noqa: E731
-        self.handoff = HandOff(self.engine, both, weights, enabled=self.args.ppo.colocated_offload,
+        self.handoff = HandOff(self.engine, everything, weights, enabled=self.args.ppo.colocated_offload,
                                sleep_level=self.args.rollout.sleep_level)
         if load is not None:
             self.handoff.restore(load)  # the engine sleeps through the load; the restored policy is published first

@@ -14,12 +14,14 @@ from `dist.device_map`, the function the real launch uses.
 The memory estimate is arithmetic on the model's config.json (a local folder, the built-in model,
 or a hub name already in the local Hugging Face cache; otherwise "memory: unknown"):
 - params: float32 master shards of the trained model (1/dp each; PPO's pump keeps one of policy and
-  critic on the card at a time, the other offloaded with its optimizer), the compute-dtype copies
+  critic on the card at a time, the other offloaded with its optimizer, but a checkpoint holds both:
+  PPO's peak is the larger of the two phases), the compute-dtype copies
   FSDP2 gathers for a forward (the root's embedding/head and two decoder blocks, one prefetched),
   and the frozen reference in the compute dtype when there is a KL penalty;
 - grads: float32 shards; optimizer: AdamW's two float32 moments per parameter, sharded;
-- activations: what the largest micro-batch's forward keeps for backward (no activation
-  checkpointing), from the tensors a Qwen2/Llama block saves per token;
+- activations: what the largest micro-batch's forward keeps for backward, from the tensors a
+  Qwen2/Llama block saves per token (with --model.activation-checkpointing: each block's input,
+  and one block's tensors while it reruns in backward);
 - logits: one piece of the chunked logprob head (models.LOGITS_CHUNK vocabulary entries: the
   compute-dtype logits, their float32 copy and its gradient);
 - engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
@@ -136,8 +138,39 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
         prefix = (f"rank {g}:{where} role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
                   f"params={params} compute={compute}")
         share, mem = (_grpo_share(args, world, hf, c, T) if grpo else _ppo_share(args, g, world, R, role, hf, c, T))
-        lines.append(f"{prefix} | {share} | {_memory(args, role, mem, device_type, placement)}")
+        memory = _memory(args, role, mem, device_type, placement)
+        if memory.endswith("(DOES NOT FIT)") and role != "rollout":
+            memory += f"; {suggest(args, world, hf, role)}"
+        lines.append(f"{prefix} | {share} | {memory}")
     return head + lines
+
+
+def suggest(args, world: int, hf: dict, role: str) -> str:
+    """For a train rank that does not fit: the largest micro-batch that does (with activation
+    checkpointing if it needs it), as the flags to pass."""
+    import dataclasses
+    grpo = isinstance(args, GRPOArgs)
+    dp = world if grpo else world - (args.grid.rollout_ranks if role == "train" else 0)
+    rows = args.mini_batch // dp if grpo else args.ppo.num_prompts_per_step * args.ppo.num_generations_per_prompt // dp
+    for checkpointing in sorted({args.model.activation_checkpointing, True}):
+        model = dataclasses.replace(args.model, activation_checkpointing=checkpointing)
+        for m in range(rows, 0, -1):
+            if grpo and rows % m:
+                continue  # micro-batches split a mini-batch evenly
+            if grpo:
+                tried = dataclasses.replace(args, model=model, rl=dataclasses.replace(
+                    args.rl, micro_batch_per_replica=m * dp, max_tokens_per_micro_batch=0))
+                flags = f"--rl.micro-batch-per-replica {m * dp}"
+            else:
+                tried = dataclasses.replace(args, model=model, ppo=dataclasses.replace(
+                    args.ppo, policy_micro_batch_rows=m, critic_micro_batch_rows=m))
+                flags = f"--ppo.policy-micro-batch-rows {m} --ppo.critic-micro-batch-rows {m}"
+            peak = card_peak(tried, role, sum(train_rank_terms(tried, world, hf).values()))
+            if peak <= args.dry_run_card_gib:
+                ac = " --model.activation-checkpointing" if checkpointing and not args.model.activation_checkpointing \
+                    else ""
+                return f"fits with {flags}{ac} (peak {peak:.1f})"
+    return "no micro-batch fits: more ranks (--dry-run-world-size), shorter sequences, or a bigger card"
 
 
 def ranks_per_node(args, world: int) -> int:
@@ -152,15 +185,22 @@ def ranks_per_node(args, world: int) -> int:
     return int(os.environ["LOCAL_WORLD_SIZE"]) if inside else world
 
 
+def activation_bytes(hf: dict, c: int, tokens: int, checkpointing: bool) -> float:
+    """What a micro-batch's forward keeps for backward: every block's saved tensors, or, with
+    --model.activation-checkpointing, every block's input plus one block's tensors while it reruns."""
+    L, per_block = hf["num_hidden_layers"], activation_bytes_per_token(hf, c)
+    return tokens * (L * c * hf["hidden_size"] + per_block if checkpointing else L * per_block)
+
+
 def _trainer_terms(hf: dict, dp: int, c: int, models_trained: int, micro_tokens: int, logits: bool,
-                   ref: bool = False) -> dict[str, float]:
+                   ref: bool = False, checkpointing: bool = False) -> dict[str, float]:
     n = parameter_counts(hf)
     gathered = c * (n["root"] + 2 * n["block"])
     out = {"params": (models_trained * 4 * n["total"] / dp + models_trained * gathered
                       + (c * n["total"] / dp + gathered if ref else 0)) / GIB,
            "grads": models_trained * 4 * n["total"] / dp / GIB,
            "optimizer": models_trained * 8 * n["total"] / dp / GIB,
-           "activations": micro_tokens * hf["num_hidden_layers"] * activation_bytes_per_token(hf, c) / GIB,
+           "activations": activation_bytes(hf, c, micro_tokens, checkpointing) / GIB,
            "logits": 0.0}
     if logits:
         V = hf["vocab_size"]
@@ -177,7 +217,8 @@ def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
     micro_tokens = rl.max_tokens_per_micro_batch or micro_rows * T
     share = (f"prompts={rows // rl.group_size} rows={rows} n_mini={args.n_mini} n_micro={n_micro} "
              f"micro_rows={micro_rows if not rl.max_tokens_per_micro_batch else '-'} tokens<={T}")
-    terms = _trainer_terms(hf, dp, c, 1, micro_tokens, True, ref=bool(rl.kl_coef)) if hf else None
+    terms = _trainer_terms(hf, dp, c, 1, micro_tokens, True, ref=bool(rl.kl_coef),
+                           checkpointing=args.model.activation_checkpointing) if hf else None
     return share, terms
 
 
@@ -195,9 +236,16 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
              f"epochs={p.ppo_epochs} critic_rows={critic} tokens<={T}")
     if not hf:
         return share, None
-    # one trained model resident at a time: the pump offloads the idle one with its optimizer (S7),
-    # and the policy's kept gradients are freed by its step before the critic trains
-    terms = _trainer_terms(hf, dp, c, 1, max(micro, critic) * T, True, ref=bool(p.kl_coef))
+    # training: one model resident at a time, the pump offloads the idle one with its optimizer (S7),
+    # and the policy's kept gradients are freed by its step before the critic trains; a checkpoint or
+    # the export: both models and both optimizers resident, no gradients, no activations
+    train = _trainer_terms(hf, dp, c, 1, max(micro, critic) * T, True, ref=bool(p.kl_coef),
+                           checkpointing=args.model.activation_checkpointing)
+    n = parameter_counts(hf)
+    save = {"params": (2 * 4 * n["total"] / dp + (c * n["total"] / dp if p.kl_coef else 0)
+                       + c * hf["vocab_size"] * hf["hidden_size"]) / GIB,  # + the export's largest gathered one
+            "grads": 0.0, "optimizer": 2 * 8 * n["total"] / dp / GIB, "activations": 0.0, "logits": 0.0}
+    terms = max(train, save, key=lambda t: sum(t.values()))
     return share, terms
 
 

@@ -82,8 +82,10 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         log.info("warning: --ppo.adv-estimator.normalize-advantages under streaming whitens advantages within "
                  "each chunk, so chunk boundaries change the policy gradient (critic returns are unaffected)")
     with log.phase("build_trainer", announce="loading the policy and the value model (FSDP2)"):
-        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing)  # float32 masters
-        value = models.sharded(path, "value", world, args.model.dtype, args.model.packing)
+        policy = models.sharded(path, "policy", world, args.model.dtype, args.model.packing,
+                                checkpointing=args.model.activation_checkpointing)  # float32 masters
+        value = models.sharded(path, "value", world, args.model.dtype, args.model.packing,
+                               checkpointing=args.model.activation_checkpointing)
         ref = models.sharded(path, "reference", world, args.model.dtype, like=policy) if p.kl_coef else None
     log.info(models.load_report(args.model.packing, policy))
     policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
@@ -109,7 +111,8 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     try:
         if not source.colocated:
             log.info("waiting for the rollout ranks to build their engines ...")
-        source.start(start, policy, offload, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
+        resident = offload + ((TrainerOffload(ref),) if ref is not None else ())  # all a colocated engine waits on
+        source.start(start, policy, resident, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
         if resume:
             checkpoint.report_lr(policy_opt, policy_lr(max(0, start - p.critic_warmup_steps) * p.ppo_epochs),
                                  "--ppo.lr", log.info)
@@ -214,7 +217,7 @@ def pump_config(args: PPOArgs, step: int, colocated: bool) -> PumpConfig:
                       value_max_grad_norm=p.max_grad_norm, value_clip_eps=p.clip_eps,
                       normalize_advantages=p.adv_estimator.normalize_advantages,
                       critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=step < p.critic_warmup_steps,
-                      ppo_epochs=p.ppo_epochs, refit_after_critic=colocated,
+                      ppo_epochs=p.ppo_epochs, refit_after_critic=colocated, value_ready_early=not colocated,
                       policy_micro_rows=p.policy_micro_batch_rows, critic_micro_rows=p.critic_micro_batch_rows,
                       use_rollout_logprobs=p.use_rollout_logprobs_for_loss)
 

@@ -167,9 +167,8 @@ def _grpo_batch(args, world):
 
 def _grpo(args, world, cfg, store):
     """One optimizer step of GRPO's update on the store's mini-batch, inside the hand-off."""
-    from minirl import dist, grpo, models
+    from minirl import grpo, models
     from minirl.accumulator import Accumulator, lr_schedule
-    from minirl.offload import HandOff, TrainerOffload
     rl, dtype = args.rl, models.DTYPES[args.model.dtype]
     policy = _build(cfg, "policy", world, args)
     ref = _build(cfg, "reference", world, args) if rl.kl_coef else None
@@ -178,8 +177,7 @@ def _grpo(args, world, cfg, store):
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm, schedule=lr_schedule(rl.lr, 0, 1))
     probe = grpo.Probe(policy)
     probe.done = True  # its one-off forward at a run's first step is not the steady state
-    handoff = HandOff(_Engine(), TrainerOffload(policy, optimizer), lambda: dist.full_parameters(policy, dtype),
-                      enabled=rl.colocated_offload)
+    handoff = grpo.hand_off(_Engine(), policy, optimizer, ref, args)
     handoff.start_fresh()
     one_epoch = dataclasses.replace(args, rl=dataclasses.replace(rl, mu_iterations=1))
     with _tracker([(policy, optimizer), (ref, None)]) as tracker:
@@ -219,7 +217,7 @@ def _ppo(args, world, cfg, chunks):
     if colocated:  # the real EngineGroups hand-off, around an engine that is not there
         source = EngineGroups.__new__(EngineGroups)
         source.args, source.world, source.engine = args, world, _Engine()
-        source.start(0, policy, offload)
+        source.start(0, policy, offload + ((TrainerOffload(ref),) if ref is not None else ()))  # as ppo.train
         publish = lambda: source.refit(1, policy)  # noqa: E731
     else:
         wire = _Wire(world.device)
@@ -307,6 +305,8 @@ def _build(cfg, kind: str, world, args):
     if kind == "reference":
         model.eval().requires_grad_(False)
     model.pack_rows, model.chunked_head = args.model.packing, True
+    if args.model.activation_checkpointing and kind != "reference":
+        models.checkpoint_blocks(model)
     dist.shard(model, world, dtype)
     return model.to_empty(device=world.device)
 
@@ -424,7 +424,34 @@ def _tracker_class():
 
         def __init__(self, pairs):
             self.pairs = [(m, o) for m, o in pairs if m is not None]
+            self.shapes_only = 0
             super().__init__(self.pairs[0][0], self.pairs[0][1])
+
+        def __enter__(self):
+            """DTensor's sharding propagation runs an op once more on fake tensors of the GLOBAL shape to
+            learn its output's metadata, in the active fake mode, which is the rehearsal's: those are
+            not allocations (a clip_grad_norm_ would count the whole model's gradients again)."""
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+            self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def shapes_only(prop, *a, **k):
+                self.shapes_only += 1
+                try:
+                    return self.propagate(prop, *a, **k)
+                finally:
+                    self.shapes_only -= 1
+            ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+            ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
+            return super().__exit__(*exc)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.shapes_only:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _register_module_and_optimizer_hooks(self) -> None:
             handles = []
@@ -470,9 +497,10 @@ def _tracker(pairs):
 
 
 def _minirl_frame(e: BaseException) -> str:
-    """The innermost line of minirl's own code in `e`'s traceback."""
+    """The innermost line of minirl's own code in `e`'s traceback (the rehearsal's own frames aside)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename).startswith(here)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if os.path.abspath(f.filename).startswith(here) and os.path.abspath(f.filename) != os.path.abspath(__file__)]
     f = frames[-1] if frames else traceback.extract_tb(e.__traceback__)[-1]
     return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno} ({f.name}: {f.line})"
 

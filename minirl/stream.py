@@ -6,7 +6,8 @@ old value for every critic epoch, S6) -> policy (and reference) forward -> GAE -
 backward into an open accumulator window. Neither model steps between chunks. While the value
 model runs, the policy's parameters and optimizer state are offloaded and its accumulated
 gradients stay resident (S7); the value model is prepared before the caller waits for the next
-chunk and stays resident across empty selections (S12).
+chunk and stays resident across empty selections (S12). Colocated (`value_ready_early` off), the
+engine generates on the same card, so the critic waits off the card until the first chunk comes.
 
 `TrainPump.close` (S8-S11, S13-S15): fail before either update if the whole step was masked;
 scale the policy gradient once by the whole step's valid-token count, clip, take ONE policy
@@ -75,6 +76,8 @@ class PumpConfig:
     offload: bool = True             # switch residency between policy and value (S7, S12)
     ppo_epochs: int = 1              # policy epochs; > 1 only in full-batch mode (config_ppo.PPOArgs.validate)
     refit_after_critic: bool = False # colocated full batch: the engine sleeps through critic training (S13)
+    value_ready_early: bool = True   # S12: the critic resident before the first chunk; not where an engine
+                                     # shares the card (colocated), which generates with the trainer offloaded
     use_rollout_logprobs: bool = False  # pi_old from the engine instead of the trainer
 
 
@@ -105,7 +108,8 @@ class TrainPump:
         if self.cfg.offload and self.policy_off is None:
             self.policy_off = TrainerOffload(self.policy, self.policy_acc.optimizer, keep_grads=True)
             self.value_off = TrainerOffload(self.value, self.value_opt)
-        self.prepare_value()
+        if self.cfg.value_ready_early:
+            self.prepare_value()
 
     # ---- residency ----
     def prepare_value(self) -> None:
@@ -124,6 +128,8 @@ class TrainPump:
     # ---- per chunk ----
     def chunk(self, c: dict) -> None:
         t0 = time.perf_counter()
+        if "value.ready" not in self.events:  # colocated: first ready now the engine sleeps
+            self.prepare_value()
         c = to_device({k: v for k, v in c.items() if isinstance(v, torch.Tensor)}, self.device) | {
             k: v for k, v in c.items() if not isinstance(v, torch.Tensor)}
         ids, mask = c["input_ids"], c["mask"]

@@ -11,7 +11,7 @@
 set -euo pipefail
 exec python -m minirl.grpo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \
-  --model.dtype bfloat16 \
+  --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k/train.jsonl \
   --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 \
   --steps 300 \

@@ -11,7 +11,7 @@
 set -euo pipefail
 exec torchrun --nproc-per-node 8 -m minirl.grpo \
   --model.path Qwen/Qwen2.5-3B-Instruct \
-  --model.dtype bfloat16 \
+  --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k_3b/train.jsonl \
   --task.eval-path data/gsm8k_3b/test.jsonl --task.eval-prompts 512 \
   --steps 200 \

@@ -21,7 +21,7 @@
 set -euo pipefail
 exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \
-  --model.dtype bfloat16 \
+  --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k/train.jsonl \
   --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 \
   --grid.gpu-placement disaggregated --grid.rollout-ranks 2 \

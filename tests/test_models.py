@@ -184,3 +184,69 @@ def test_a_model_folder_without_a_model_type_or_a_tokenizer_is_refused_before_lo
     broken(d)
     with pytest.raises(ConfigError, match=says):
         models.resolve_path(ModelConfig(path=str(d)))
+
+
+@pytest.mark.parametrize("kind", ["policy", "value"])
+def test_activation_checkpointing_keeps_the_gradients_and_saves_only_block_inputs(tiny_path, world, kind):
+    """--model.activation-checkpointing: the same loss and gradients to float tolerance (float32, FSDP2),
+    while the forward keeps far less for backward (a checkpointed block saves its inputs only)."""
+    from torch.distributed.tensor import DTensor
+    ids = torch.randint(3, 40, (4, 24), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for ac in (False, True):
+        model = models.sharded(tiny_path, kind, world, "float32", checkpointing=ac)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            out = models.token_logprobs(model, ids) if kind == "policy" else model(ids)
+        (out.square().sum() if kind == "value" else out.sum()).backward()
+        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+        runs[ac] = (out.detach(), [full(p.grad) for p in model.parameters()], sum(saved))
+    (out0, grads0, saved0), (out1, grads1, saved1) = runs[False], runs[True]
+    assert torch.allclose(out0, out1, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(grads0, grads1))
+    assert saved1 < 0.25 * saved0, (saved0, saved1)
+
+
+@pytest.mark.parametrize("kind", ["reference", "value"])
+def test_no_root_parameter_stays_gathered_after_a_forward_without_autograd(tiny_path, world, kind):
+    """FSDP2 keeps the root's parameters (embedding, head) unsharded after its forward, for the backward
+    that follows; the reference's and the critic's no-grad forwards have none, so minirl reshards."""
+    from torch.distributed.tensor import DTensor
+    model = models.sharded(tiny_path, kind, world, "float32")
+    ids = torch.randint(3, 40, (2, 8))
+    with torch.no_grad():
+        models.token_logprobs(model, ids) if kind == "reference" else model(ids)
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert plain == []
+
+
+def test_bf16_compute_logprobs_and_values_come_out_of_their_heads_in_float32(tiny_path, world, monkeypatch):
+    """The chunked head's logits and the critic's value head leave their matmuls in float32: from bf16
+    hidden states and weights the chosen tokens' logprobs (vocab 4096) and the values equal the exact
+    products' to 1e-4, where a bf16 result (the old heads) misses by 1e-2. Through the tiny model in bf16
+    compute, the logprobs land closer to the float32 model's than with the old head."""
+    from torch import nn
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(64, 64, generator=g).bfloat16(), (0.5 * torch.randn(4096, 64, generator=g)).bfloat16()
+    y = torch.randint(0, 4096, (64,), generator=g)
+    exact = torch.log_softmax(h.double() @ w.double().t(), -1).gather(-1, y[:, None]).squeeze(-1)
+    rounded = nn.functional.linear(h, w).float()
+    old = rounded.gather(-1, y[:, None]).squeeze(-1) - rounded.logsumexp(-1)
+    new = models._piece_logprobs(h, w, None, y)[:, 0]
+    assert (new.double() - exact).abs().max() < 1e-4 < 1e-2 < (old.double() - exact).abs().max()
+
+    score = nn.Linear(64, 1).bfloat16()
+    hidden = 4 * torch.randn(2, 32, 64, generator=g).bfloat16()
+    exact = (hidden.double() @ score.weight.double().t() + score.bias.double()).squeeze(-1)
+    new, old = models.value_head(hidden, score), score(hidden).squeeze(-1).float()
+    assert (new.double() - exact).abs().max() < 1e-4 < 1e-2 < (old.double() - exact).abs().max()
+
+    ids = torch.randint(3, 40, (4, 16), generator=g)
+    with torch.no_grad():
+        target = models.token_logprobs(models.sharded(tiny_path, "policy", world, "float32"), ids)
+        policy = models.sharded(tiny_path, "policy", world, "bfloat16")
+        err_new = (models.token_logprobs(policy, ids) - target).abs().mean()
+        monkeypatch.setattr(models._FloatLogits, "apply", lambda h, w: nn.functional.linear(h, w).float())
+        err_old = (models.token_logprobs(policy, ids) - target).abs().mean()
+    assert err_new < err_old, (err_new, err_old)

@@ -372,3 +372,50 @@ def test_a_scheduled_save_at_a_boundary_without_validation_runs_before_publicati
                "--checkpoint.every", "1", "--log.run-dir", str(tmp_path / "run")])
     step = ["generate", "sleep:1", "save", "wake:weights", "load_weights", "wake:kv_cache"]
     assert built[0].log == step * 2 + ["sleep:1"]  # the end hands the card to the export
+
+
+def record_residency(monkeypatch, log: list) -> None:
+    """Every TrainerOffload move that changes where a model is lands in `log` as `onload:<kind>` or
+    `offload:<kind>` (policy, value, ref: the one without an optimizer)."""
+    from minirl.models import ValueModel
+    kind = lambda o: "value" if isinstance(o.model, ValueModel) else "ref" if o.optimizer is None else "policy"  # noqa: E731
+    onload, offload = TrainerOffload.onload, TrainerOffload.offload
+    monkeypatch.setattr(TrainerOffload, "onload",
+                        lambda self: (self.offloaded and log.append(f"onload:{kind(self)}"), onload(self))[1])
+    monkeypatch.setattr(TrainerOffload, "offload",
+                        lambda self: (self.offloaded or log.append(f"offload:{kind(self)}"), offload(self))[1])
+
+
+def on_card_while_awake(log: list, built: set) -> list:
+    """The events at which some model of the trainer (all of `built` are on the card when built) was
+    resident while the engine was awake: from a generate or its KV cache's wake until it sleeps."""
+    resident, awake, bad = set(built), False, []
+    for e in log:
+        what = e.split(":", 1)[-1]
+        if e.startswith("onload:"):
+            resident.add(what)
+        elif e.startswith("offload:"):
+            resident.discard(what)
+        elif e in ("generate", "wake:kv_cache"):
+            awake = True
+        elif e.startswith("sleep:"):
+            awake = False
+        if awake and resident:
+            bad.append(f"{e} with {sorted(resident)} on the card")
+    return bad
+
+
+def test_colocated_grpo_offloads_the_reference_too_while_the_engine_is_awake(world, tmp_path, monkeypatch):
+    """With a KL reference, nothing of the trainer stays on the card while the engine is awake: the
+    frozen reference leaves with the policy and its optimizer, and comes back with them."""
+    from minirl import grpo
+    built = []
+    monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(ScriptedEngine(*a, **k)) or built[-1])
+    log = []
+    monkeypatch.setattr(ScriptedEngine, "__post_init__", lambda self: (RecordingEngine.__post_init__(self),
+                                                                       setattr(self, "log", log))[0])
+    record_residency(monkeypatch, log)
+    grpo.main(["--steps", "2", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+               "--rl.kl-coef", "0.1", "--log.run-dir", str(tmp_path / "run")])
+    assert on_card_while_awake(log, {"policy", "ref"}) == []
+    assert log.count("onload:ref") == log.count("onload:policy") == 3  # two updates and the export

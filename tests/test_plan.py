@@ -80,7 +80,8 @@ def test_memory_estimate_counts_the_model(tmp_path):
     line = [x for x in plan.dry_run(args) if x.startswith("rank 0")][0]
     terms = dict(re.findall(r"(\w+) ([\d.]+)", line.split("memory GiB:")[1].split("|")[0]))
     assert abs(float(terms["grads"]) + float(terms["optimizer"]) - 12 * 494e6 / 2**30) < 0.1
-    args.rl.micro_batch_per_replica = 256  # the whole batch in one forward: far over a card
+    args.rl.micro_batch_per_replica = 256  # the whole batch in one forward, every block's activations kept:
+    args.model.activation_checkpointing = False  # far over a card
     assert "DOES NOT FIT" in plan.dry_run(args)[1]
 
 
@@ -105,3 +106,25 @@ def test_dry_run_exits_0_without_loading_or_building(tmp_path):
     assert not cache.exists() and not (tmp_path / "r").exists()
     bad = run([sys.executable, "-m", "minirl.grpo", "--dry-run", "--dry-run-world-size", "3"], timeout=120)
     assert bad.returncode == 2 and "--rl.batch-per-replica" in bad.stderr
+
+
+def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_does(tmp_path):
+    """The PPO recipe without activation checkpointing on 10 GiB cards: its train ranks do not fit at 8
+    rows per micro-batch; the plan
+    names the largest count that fits, which does (re-planned), and one more row does not."""
+    import dataclasses
+    args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
+    args.dry_run_card_gib, args.model.activation_checkpointing = 10.0, False
+    line = next(x for x in plan.dry_run(args) if x.startswith("rank 2:"))
+    hint = re.search(r"\(DOES NOT FIT\); fits with --ppo.policy-micro-batch-rows (\d+) "
+                     r"--ppo.critic-micro-batch-rows (\d+) \(peak ([\d.]+)\)$", line)
+    assert hint and hint.group(1) == hint.group(2), line
+    m = int(hint.group(1))
+    assert 1 <= m < 8
+
+    def peak(rows):
+        tried = dataclasses.replace(args, ppo=dataclasses.replace(args.ppo, policy_micro_batch_rows=rows,
+                                                                  critic_micro_batch_rows=rows))
+        return float(re.search(r"peak ([\d.]+) of", next(x for x in plan.dry_run(tried) if x.startswith("rank 2:")))
+                     .group(1))
+    assert peak(m) <= 10.0 < peak(m + 1) and abs(peak(m) - float(hint.group(3))) < 0.05

@@ -409,3 +409,18 @@ def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path, placement):
     assert "SIGKILL" not in err  # nobody had to be killed: the rollout rank left at the trainer's stop
     if placement == "colocated":
         assert code == 0
+
+
+def test_colocated_critic_and_reference_are_off_the_card_whenever_the_engine_is_awake(tiny_path, world, tmp_path,
+                                                                                     monkeypatch):
+    """Colocated PPO with a KL reference: policy, critic (with their optimizers) and reference are all
+    off the card from the moment the engine generates until it sleeps. The old pump onloaded the critic
+    when it was built, before the step's generate, and the reference never left."""
+    from test_offload import on_card_while_awake, record_residency
+    args = small_ppo_args(tmp_path, steps=2)
+    args.ppo.kl_coef = 0.1
+    source, engine = colocated_source(args, world, monkeypatch)
+    record_residency(monkeypatch, engine.log)
+    train_in_process(args, tiny_path, world, source)
+    assert on_card_while_awake(engine.log, {"policy", "value", "ref"}) == []
+    assert engine.log.count("generate") == 2 and engine.log.count("onload:value") >= 2
