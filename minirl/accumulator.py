@@ -70,6 +70,8 @@ class Accumulator:
         if dist.all_reduce(bad, "max").item():
             remaining = self.n_micro - self.calls - 1 if self.n_micro else 0
             self._reset()
+            if hasattr(self.model, "reshard"):  # no backward comes for this forward: FSDP2's root stays gathered
+                self.model.reshard()
             self.to_discard, self.poisoned = remaining, self.n_micro is None
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}

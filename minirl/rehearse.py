@@ -9,7 +9,7 @@ are built from config.json alone (no weights), and torch's FSDPMemTracker measur
 
 - GRPO: one optimizer step, the first mini-batch's micro-batches in full (reference scored first,
   policy forward and backward, accumulator, clip, step) between the hand-off's onload and the
-  weight-sync gather and offload (`grpo.update`, `offload.HandOff`).
+  weight-sync gather and offload (`grpo.update`, `grpo.hand_off`).
 - PPO: one step of `stream.TrainPump`: every chunk of the step (value forward, reference and
   policy forward, backward), then the close (policy step, refit, the critic's epochs), with the
   offload switches between policy and critic. The refit is the real gather and bucket packing
@@ -27,13 +27,14 @@ It prints, per loop and model, the tracker's peak per card by category beside th
 
     rehearsal <loop> <model> world <W>: peak <X> GiB per card, plan <Y> GiB, device mismatches 0 ...
 
-A CUDA tensor meeting a CPU one stops it with the op and minirl's line (exit 1). The peak combines
-two readings: the tracker's forward/backward peak, taken with AdamW's moments already resident (a
-warm-up step with zero gradients creates them first, as every step after a run's first has them),
-and nothing from inside `optimizer.step()`, where fake mode allocates what the fused kernel updates
-in place. What it cannot show: kernels' own workspaces (cuBLAS, attention), allocator
-fragmentation, NCCL's buffers, vLLM's memory (the plan's engine share stands in), and the
-determinism probe's one-off forward (off here).
+A CUDA tensor meeting a CPU one stops it with the op and minirl's line (exit 1). The peak is the
+tracker's over the whole rehearsal, with AdamW's moments resident from the start (a warm-up step
+with zero gradients creates them, as every step after a run's first has them), leaving out what
+runs inside `optimizer.step()` (fake mode allocates what the fused kernel updates in place) and
+DTensor's sharding propagation (ops at the global shape that only learn an output's metadata).
+What it cannot show: kernels' own workspaces (cuBLAS, attention), allocator fragmentation, NCCL's
+buffers, vLLM's memory (the plan's engine share stands in), and the determinism probe's one-off
+forward (off here).
 
 How: a CPU build of torch has no CUDA device guard or hooks, so a forward on fake CUDA aborts in
 C++; fakecuda.cpp registers torch's own FakeGuardImpl and a hooks object that reports devices.

@@ -156,7 +156,9 @@ class TrainPump:
                 with torch.no_grad():
                     refs.append(token_logprobs(self.ref, part["input_ids"], lengths=part.get("lengths")))  # no graph yet
             self.events.append("policy.forward")
-            logp, entropy = token_logprobs(self.policy, part["input_ids"], entropy=True, lengths=part.get("lengths"))
+            with torch.set_grad_enabled(not self.cfg.critic_warmup):  # warmup: pi_old only, no backward follows
+                logp, entropy = token_logprobs(self.policy, part["input_ids"], entropy=True,
+                                               lengths=part.get("lengths"))
             has_engine = "rollout_logp" in part
             old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
             if has_engine:

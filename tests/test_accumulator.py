@@ -198,3 +198,16 @@ def test_lr_schedule_warms_up_then_holds_or_follows_a_cosine():
         acc.backward(loss, 1.0)
         seen.append(opt.param_groups[0]["lr"])
     assert seen == [0.25, 0.5, 0.75, 1.0, 1.0]  # set before each step, from the step count
+
+
+def test_a_poisoned_window_leaves_no_fsdp_root_parameter_gathered(tiny_path, world):
+    """A non-finite loss is never backpropagated, so FSDP2 never reshards the root its forward gathered:
+    the window reshards it when it drops the call."""
+    from torch.distributed.tensor import DTensor
+
+    from minirl import models
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    acc = Accumulator(policy, RecordingSGD(policy.parameters(), lr=0.1), n_micro=2)
+    logp = models.token_logprobs(policy, torch.randint(3, 40, (2, 8)))
+    assert acc.backward(logp.sum() * float("nan"), 1.0) == {"skipped_nonfinite": 1.0}
+    assert [n for n, p in policy.named_parameters() if not isinstance(p, DTensor)] == []

@@ -379,3 +379,19 @@ def test_kl_penalty_to_a_frozen_reference_scored_before_the_policy(models, world
                       value_off=p.value_off)
     later.chunk(chunks[0])
     assert later.close()["ppo_kl"] > 0
+
+
+def test_a_critic_warmup_chunk_leaves_no_policy_root_parameter_gathered(tiny_path, world):
+    """In critic warmup the policy's forward only gives pi_old and no backward follows: it runs without
+    autograd, so FSDP2's root is resharded after it, and the offload that follows moves the float32
+    shards, not gathered copies beside resident masters."""
+    from torch.distributed.tensor import DTensor
+
+    from minirl import models as m
+    policy, value = m.sharded(tiny_path, "policy", world, "float32"), m.sharded(tiny_path, "value", world, "float32")
+    acc = Accumulator(policy, RecordingSGD(policy.parameters(), lr=0.1), n_micro=None)
+    p = TrainPump(policy, value, acc, RecordingSGD(value.parameters(), lr=0.1), PumpConfig(critic_warmup=True),
+                  step=0, log=lambda line: None)
+    p.chunk(make_chunk(*CHUNKS[0]))
+    p.policy_off.onload()
+    assert [n for n, q in policy.named_parameters() if not isinstance(q, DTensor)] == []
