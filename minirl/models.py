@@ -233,7 +233,6 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
     policy's architecture: it takes both verdicts from `like`, the policy. `checkpointing`
     (--model.activation-checkpointing): the policy's and critic's blocks recompute in backward
     (`checkpoint_blocks`); the reference never runs backward."""
-    from minirl import dist
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
     model = load(path)
     if like is not None:
@@ -241,6 +240,13 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
     else:
         model.pack_rows = pack and packing_error(model) is None
         model.chunked_head = kind != "policy" or chunked_head_error(model) is None
+    return shard_built(model, kind, world, dtype, checkpointing)
+
+
+def shard_built(model: nn.Module, kind: str, world, dtype: str, checkpointing: bool = False) -> nn.Module:
+    """The end of `sharded`, for a model already built (the CPU rehearsal builds its own on the meta
+    device): the trained models' blocks checkpointed if asked, then FSDP2 computing in `dtype`."""
+    from minirl import dist
     if checkpointing and kind != "reference":
         checkpoint_blocks(model)
     return dist.shard(model, world, DTYPES[dtype])

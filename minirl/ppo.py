@@ -90,7 +90,7 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     log.info(models.load_report(args.model.packing, policy))
     policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
     parts = {"policy": (policy, policy_opt), "value": (value, value_opt)}
-    offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)  # S7
+    offload, resident = offloaders(policy, policy_opt, value, value_opt, ref)
     tok = models.load_tokenizer(path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     # learning rates by optimizer step: the policy steps ppo_epochs times a step after critic warmup,
@@ -111,7 +111,6 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
     try:
         if not source.colocated:
             log.info("waiting for the rollout ranks to build their engines ...")
-        resident = offload + ((TrainerOffload(ref),) if ref is not None else ())  # all a colocated engine waits on
         source.start(start, policy, resident, load=(lambda: checkpoint.load(resume, parts)) if resume else None)
         if resume:
             checkpoint.report_lr(policy_opt, policy_lr(max(0, start - p.critic_warmup_steps) * p.ppo_epochs),
@@ -207,6 +206,13 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
         source.close()
     finally:
         log.close()
+
+
+def offloaders(policy, policy_opt, value, value_opt, ref):
+    """The pump's two offloaders (the policy's gradients stay resident while it is offloaded, S7), and
+    with the reference's all that leaves a colocated card while the engine is awake."""
+    pump = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)
+    return pump, pump + ((TrainerOffload(ref),) if ref is not None else ())
 
 
 def pump_config(args: PPOArgs, step: int, colocated: bool) -> PumpConfig:

@@ -54,6 +54,7 @@ import sys
 import traceback
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from minirl.config import ConfigError
 
@@ -160,7 +161,10 @@ def _grpo_batch(args, world):
     """This rank's first mini-batch in a RolloutStore, planned as grpo.main plans it."""
     from minirl.batch import RolloutStore, pack, plan_chunks
     rows, micro = args.mini_batch // world.world_size, args.micro_batch // world.world_size
-    batch = pack(_samples(rows, micro, args), torch.ones(rows), 0)
+    # the first micro-batch packs two short rows; the later ones, full length, meet the gradients already
+    # resident: the step's peak
+    short = {0, 1} if 2 <= micro < rows else set()
+    batch = pack(_samples(rows, short, args), torch.ones(rows), 0)
     chunks = plan_chunks(batch["lengths"].tolist(), 1, micro, args.rl.max_tokens_per_micro_batch,
                          packed=args.model.packing)
     return RolloutStore(batch, chunks, reads_per_chunk=1 + args.needs_cached_old_logprobs, device=world.device)
@@ -181,7 +185,7 @@ def _grpo(args, world, cfg, store):
     handoff = grpo.hand_off(_Engine(), policy, optimizer, ref, args)
     handoff.start_fresh()
     one_epoch = dataclasses.replace(args, rl=dataclasses.replace(rl, mu_iterations=1))
-    with _tracker([(policy, optimizer), (ref, None)]) as tracker:
+    with _Tracker([(policy, optimizer), (ref, None)]) as tracker:
         handoff.to_trainer()
         grpo.update(policy, ref, acc, store, one_epoch, probe, args.needs_cached_old_logprobs)
         handoff.save_in_update_window(lambda: _save_and_export({"policy": (policy, optimizer)}, dtype))
@@ -204,7 +208,6 @@ def _ppo(args, world, cfg, chunks):
     """One PPO step through the real TrainPump: every chunk of the step, then the close."""
     from minirl import dist, models, ppo, refit
     from minirl.accumulator import Accumulator, lr_schedule
-    from minirl.offload import TrainerOffload
     from minirl.placement import EngineGroups
     from minirl.stream import TrainPump
     p, dtype = args.ppo, models.DTYPES[args.model.dtype]
@@ -213,18 +216,18 @@ def _ppo(args, world, cfg, chunks):
     policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
     _warm(policy, policy_opt)
     _warm(value, value_opt)
-    offload = TrainerOffload(policy, policy_opt, keep_grads=True), TrainerOffload(value, value_opt)
+    offload, resident = ppo.offloaders(policy, policy_opt, value, value_opt, ref)
     colocated = args.grid.gpu_placement == "colocated"
     if colocated:  # the real EngineGroups hand-off, around an engine that is not there
         source = EngineGroups.__new__(EngineGroups)
         source.args, source.world, source.engine = args, world, _Engine()
-        source.start(0, policy, offload + ((TrainerOffload(ref),) if ref is not None else ()))  # as ppo.train
+        source.start(0, policy, resident)
         publish = lambda: source.refit(1, policy)  # noqa: E731
     else:
         wire = _Wire(world.device)
         publish = lambda: refit.send(wire, refit.manifest(policy, dtype), dist.full_parameters(policy, dtype))  # noqa: E731
     acc = Accumulator(policy, policy_opt, n_micro=None, max_grad_norm=p.max_grad_norm, schedule=lr_schedule(p.lr, 0, 1))
-    with _tracker([(policy, policy_opt), (value, value_opt), (ref, None)]) as tracker:
+    with _Tracker([(policy, policy_opt), (value, value_opt), (ref, None)]) as tracker:
         if colocated:
             source.handoff.to_trainer()
         pump = TrainPump(policy, value, acc, value_opt, ppo.pump_config(args, 0, colocated), 0, refit=publish,
@@ -255,31 +258,23 @@ def _tokens(n: int) -> list[int]:
     return [(7 * i + 3) % 1000 + 1 for i in range(max(1, n))]
 
 
-def _samples(rows: int, micro: int, args):
-    """`rows` samples of the full prompt and completion lengths, but for the first two when there are
-    two micro-batches or more: half as long, so the first micro-batch packs them into one lane (the
-    later ones, full length, meet the gradients already resident: the step's peak)."""
+def _samples(rows: int, short: set, args):
+    """`rows` samples of the full prompt and completion lengths, but for the rows in `short`: half as
+    long, so two of them pack into one lane and the padding-free path runs too."""
     from minirl.rollout import Samples
     Tp, Tc = args.rollout.max_prompt_tokens, args.rollout.max_tokens
-    short = {0, 1} if 2 <= micro < rows else set()
     prompts = [_tokens(Tp // 2 if r in short else Tp) for r in range(rows)]
     comps = [_tokens(Tc // 2 if r in short else Tc) for r in range(rows)]
     return Samples(list(range(rows)), prompts, comps, [[-1.0] * len(c) for c in comps], ["length"] * rows)
 
 
 def _groups(count: int, G: int, args, first: bool) -> list[dict]:
-    """`count` groups of G samples of the full lengths, as placement._group hands them over; in the first
-    of several chunks the first two groups are half as long (packed together)."""
-    Tp, Tc = args.rollout.max_prompt_tokens, args.rollout.max_tokens
-    out = []
-    for g in range(count):
-        half = first and g < 2 <= count
-        n = Tc // 2 if half else Tc
-        out.append({"prompt": torch.tensor(_tokens(Tp // 2 if half else Tp)),
-                    "completions": torch.tensor([_tokens(n)] * G), "lengths": torch.full((G,), max(1, n)),
-                    "logprobs": torch.full((G, max(1, n)), -1.0), "rewards": torch.ones(G),
-                    "clipped": torch.zeros(G, dtype=torch.bool), "version": torch.tensor(0)})
-    return out
+    """`count` groups of G samples, as the rollout hands them over (`placement._group`); in the first of
+    several chunks the first two groups are half as long (packed together)."""
+    from minirl.placement import _group
+    half = lambda g: first and g < 2 <= count  # noqa: E731
+    return [_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, 0)
+            for g in range(count)]
 
 
 def _hf_config(hf: dict):
@@ -294,7 +289,7 @@ def _build(cfg, kind: str, world, args):
     of a Qwen2/Llama: packed rows stay apart (--model.packing), the chunked head equals the logits."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from minirl import dist, models
+    from minirl import models
     dtype = models.DTYPES[args.model.dtype]
     cfg.use_cache = False  # no KV cache in training, as models.load_* set it
     with torch.device("meta"):
@@ -306,9 +301,7 @@ def _build(cfg, kind: str, world, args):
     if kind == "reference":
         model.eval().requires_grad_(False)
     model.pack_rows, model.chunked_head = args.model.packing, True
-    if args.model.activation_checkpointing and kind != "reference":
-        models.checkpoint_blocks(model)
-    dist.shard(model, world, dtype)
+    models.shard_built(model, kind, world, args.model.dtype, args.model.activation_checkpointing)
     return model.to_empty(device=world.device)
 
 
@@ -416,92 +409,83 @@ def _flash_attention():
 
 # ---- measuring ----
 
-def _tracker_class():
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+class _Tracker(FSDPMemTracker):
+    """FSDPMemTracker over several FSDP2 models and their optimizers at once, that takes a root's
+    forward per micro-batch (it refuses a second), and whose peak skips optimizer.step()'s inside."""
 
-    class Tracker(FSDPMemTracker):
-        """FSDPMemTracker over several FSDP2 models and their optimizers at once, that takes a root's
-        forward per micro-batch (it refuses a second), and whose peak skips optimizer.step()'s inside."""
+    def __init__(self, pairs):
+        self.pairs = [(m, o) for m, o in pairs if m is not None]
+        self.shapes_only = 0
+        super().__init__(self.pairs[0][0], self.pairs[0][1])
 
-        def __init__(self, pairs):
-            self.pairs = [(m, o) for m, o in pairs if m is not None]
-            self.shapes_only = 0
-            super().__init__(self.pairs[0][0], self.pairs[0][1])
+    def __enter__(self):
+        """DTensor's sharding propagation runs an op once more on fake tensors of the GLOBAL shape to
+        learn its output's metadata, in the active fake mode, which is the rehearsal's: those are
+        not allocations (a clip_grad_norm_ would count the whole model's gradients again)."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
-        def __enter__(self):
-            """DTensor's sharding propagation runs an op once more on fake tensors of the GLOBAL shape to
-            learn its output's metadata, in the active fake mode, which is the rehearsal's: those are
-            not allocations (a clip_grad_norm_ would count the whole model's gradients again)."""
-            from torch.distributed.tensor._sharding_prop import ShardingPropagator
-            self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        def shapes_only(prop, *a, **k):
+            self.shapes_only += 1
+            try:
+                return self.propagate(prop, *a, **k)
+            finally:
+                self.shapes_only -= 1
+        ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
+        return super().__enter__()
 
-            def shapes_only(prop, *a, **k):
-                self.shapes_only += 1
-                try:
-                    return self.propagate(prop, *a, **k)
-                finally:
-                    self.shapes_only -= 1
-            ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
-            return super().__enter__()
+    def __exit__(self, *exc):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
+        return super().__exit__(*exc)
 
-        def __exit__(self, *exc):
-            from torch.distributed.tensor._sharding_prop import ShardingPropagator
-            ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
-            return super().__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.shapes_only:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if self.shapes_only:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+    def _register_module_and_optimizer_hooks(self) -> None:
+        handles = []
+        for model, optimizer in self.pairs:
+            self._root_mod, self._optm, self._optimizer_hook_handles = model, optimizer, None
+            self._instrument_fsdp_module()
+            self._instrument_optimizer()
+            handles += self._optimizer_hook_handles or ()
+        self._optimizer_hook_handles = tuple(handles) or None
 
-        def _register_module_and_optimizer_hooks(self) -> None:
-            handles = []
-            for model, optimizer in self.pairs:
-                self._root_mod, self._optm, self._optimizer_hook_handles = model, optimizer, None
-                self._instrument_fsdp_module()
-                self._instrument_optimizer()
-                handles += self._optimizer_hook_handles or ()
-            self._optimizer_hook_handles = tuple(handles) or None
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+        roots = [m for m, _ in self.pairs]
 
-        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-            roots = [m for m, _ in self.pairs]
+        def again(*a, **k):
+            if any(fsdp_mod is r for r in roots) and not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)  # a new module record; the run's peak stays
+            return inner(*a, **k)
+        return again
 
-            def again(*a, **k):
-                if any(fsdp_mod is r for r in roots) and not self._mod_tracker.is_bw:
-                    self.memory_tracking.pop(fsdp_mod, None)  # a new module record; the run's peak stays
-                return inner(*a, **k)
-            return again
+    def _update_peak_stats(self, peak_state) -> None:
+        """The run's peak only (no per-module peaks: a walk over every module's record per op)."""
+        if self._in_opt:
+            return
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
 
-        def _update_peak_stats(self, peak_state) -> None:
-            """The run's peak only (no per-module peaks: a walk over every module's record per op)."""
-            if self._in_opt:
-                return
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
-
-        def peak(self) -> dict[str, float]:
-            snap = next((s for d, s in self.get_tracker_snapshot("peak").items() if d.type == "cuda"), {})
-            g = {k: v / GIB for k, v in snap.items()}
-            return {"params": g.get("Sharded Param", 0) + g.get("Unsharded Param", 0) + g.get("Buffer", 0),
-                    "grads": g.get("Sharded Grad", 0) + g.get("Unsharded Grad", 0),
-                    "optimizer": g.get("OptState", 0), "activations": g.get("Activation", 0),
-                    "temporaries": g.get("Temp", 0) + g.get("All Gather", 0) + g.get("Reduce Scatter", 0)
-                    + g.get("Inputs", 0)}
-
-    return Tracker
-
-
-def _tracker(pairs):
-    return _tracker_class()(pairs)
+    def peak(self) -> dict[str, float]:
+        snap = next((s for d, s in self.get_tracker_snapshot("peak").items() if d.type == "cuda"), {})
+        g = {k: v / GIB for k, v in snap.items()}
+        return {"params": g.get("Sharded Param", 0) + g.get("Unsharded Param", 0) + g.get("Buffer", 0),
+                "grads": g.get("Sharded Grad", 0) + g.get("Unsharded Grad", 0),
+                "optimizer": g.get("OptState", 0), "activations": g.get("Activation", 0),
+                "temporaries": g.get("Temp", 0) + g.get("All Gather", 0) + g.get("Reduce Scatter", 0)
+                + g.get("Inputs", 0)}
 
 
 def _minirl_frame(e: BaseException) -> str:
     """The innermost line of minirl's own code in `e`'s traceback (the rehearsal's own frames aside)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here, me = os.path.dirname(os.path.abspath(__file__)), os.path.abspath(__file__)
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if os.path.abspath(f.filename).startswith(here) and os.path.abspath(f.filename) != os.path.abspath(__file__)]
+              if os.path.abspath(f.filename).startswith(here) and os.path.abspath(f.filename) != me]
     f = frames[-1] if frames else traceback.extract_tb(e.__traceback__)[-1]
     return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno} ({f.name}: {f.line})"
 

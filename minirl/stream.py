@@ -31,8 +31,8 @@ carries the engine's bf16 kernel mismatch. `ppo_logprob_gap` (mean |trainer - en
 shows both together.
 
 Devices: a chunk arrives on the host and moves to the trainer's device once, on entry
-(`batch.to_device`), but for its `lengths`, a host list (models.layout plans on the host); everything the pump keeps for the close (old values, returns, advantages)
-is on that device.
+(`batch.to_device`), but for its `lengths`, a host list (models.layout plans on the host);
+everything the pump keeps for the close (old values, returns, advantages) is on that device.
 
 Memory: the policy runs each chunk in micro-batches of `policy_micro_rows` rows and the critic
 the assembled batch in micro-batches of `critic_micro_rows`, both into open accumulator windows
