@@ -86,6 +86,7 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
 
     from minirl.config import ModelConfig, TinyModelConfig
     from minirl.models import resolve_path
+    from minirl import rewards
     from minirl.tasks import CountTask
 
     shape = SETUPS[setup]["shape"]
@@ -98,7 +99,7 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
     data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
 
     def reward(completions, answer, **_):
-        return [task.reward(c, a) for c, a in zip(completions, answer)]
+        return [rewards.count(c, a) for c, a in zip(completions, answer)]
 
     times, gen_times, tokens, computed, in_generate, in_train = [], [], [], [], [0.0], [0]
 

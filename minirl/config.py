@@ -13,7 +13,9 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
+
+import tyro
 
 TINY = "tiny"  # the --model.path value that selects the built-in tiny model
 
@@ -38,8 +40,9 @@ class TinyModelConfig:
     """MLP width."""
     max_positions: int = 256
     """Longest sequence (prompt + completion) the model takes (max_position_embeddings)."""
-    warm_start_steps: int = 8
-    """Supervised steps on the built-in task before saving (deliberately few: RL has to do the rest)."""
+    warm_start_steps: int = 120
+    """Supervised steps on the built-in task before saving, on labels off by up to 2 (tasks.warm_start): the
+    model learns the answer format and a rough count, and RL has to make the count exact."""
 
 
 @dataclass
@@ -88,6 +91,17 @@ class TaskConfig:
     """Held-out prompts scored greedily for `eval_accuracy`."""
     eval_path: str = ""
     """JSONL file of held-out prompts (e.g. GSM8K test); empty = hold out part of --task.path."""
+    answer_format: Literal["strict", "flexible"] = "strict"
+    """The JSONL task's built-in reward: `strict` reads the number after the last `#### ` (GSM8K's format,
+    verl's strict mode); `flexible` the last number anywhere (verl's flexible). A reference that is not a
+    number is compared as text, normalised."""
+    reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """A reward function `module:function`, f(completion: str, answer: str) -> float, imported by name;
+    repeat the flag for several. Empty = the task's own (minirl.rewards:count, :gsm8k or :gsm8k_flexible).
+    A completion cut by --rollout.max-tokens earns 0 from every function; the first one's held-out mean
+    is eval_accuracy."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per --task.reward function (the reward is their weighted sum); empty = 1 each."""
 
 
 @dataclass
@@ -107,6 +121,8 @@ class LogConfig:
     eval_every: int = 5
     """Score held-out prompts greedily before the first update, after every this many steps and after
     the last (0 = never)."""
+    samples: int = 2
+    """Held-out completions printed at each eval; every one goes to <run dir>/samples.jsonl."""
     target_eval_accuracy: float = 0.0
     """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
     tensorboard: bool = False
@@ -223,6 +239,8 @@ def _check_run(args) -> None:
     if args.task.eval_path and not os.path.isfile(args.task.eval_path):
         raise ConfigError(f"--task.eval-path={args.task.eval_path!r} is not a file; "
                           "give a JSONL file or leave it empty")
+    from minirl.rewards import scorer
+    scorer(args.task)  # imports every --task.reward function now, not after the models are built
     if args.checkpoint.every < 0 or args.checkpoint.keep < 1:
         raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
     if args.checkpoint.resume not in ("", "auto") and not os.path.isdir(args.checkpoint.resume):

@@ -1,5 +1,5 @@
 """`python -m minirl.eval` (or `minirl-eval`): score a model on a task's held-out prompts, without
-training, with the same greedy scorer the training loops use (tasks.held_out_accuracy).
+training, with the same greedy scorer and rewards the training loops use (tasks.held_out).
 
     minirl-eval --model.path runs/demo/final                          # an exported policy (or any HF folder)
     minirl-eval --checkpoint runs/demo/checkpoints/step_00000400      # a training checkpoint
@@ -7,8 +7,8 @@ training, with the same greedy scorer the training loops use (tasks.held_out_acc
         --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 --model.dtype bfloat16
 
 A checkpoint's run config.json (beside its checkpoints folder) gives the model, task and rollout
-flags, as `--config` would; flags given beside it win. Prints one line,
-`eval_accuracy <value> on <n> prompts`, and exits 0.
+flags, as `--config` would; flags given beside it win. Prints a few prompts with their completions
+(`--samples`), then `eval_accuracy <value> on <n> prompts`, and exits 0.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class EvalArgs:
     config: str = ""
     """A YAML or JSON file of flags read first, e.g. a run's config.json (keys this command does not
     have are ignored); flags given beside it win."""
+    samples: int = 4
+    """Held-out prompts printed with their completions, answers and rewards before the result line."""
     engine_logs: bool = False
     """Show the engine's own log lines (vLLM and its native libraries); by default they go to a file
     that is removed with the run's temporary folder, and the console shows the one result line."""
@@ -44,7 +46,7 @@ class EvalArgs:
 def main(argv: list[str] | None = None) -> float:
     from minirl import dist, launch, models
     from minirl.rollout import Engine, check_model
-    from minirl.tasks import held_out_accuracy, make_task
+    from minirl.tasks import held_out, make_task
     argv = list(sys.argv[1:] if argv is None else argv)
     args = launch.parse(EvalArgs, _with_run_config(argv), __doc__, lenient=True)
     if args.checkpoint and not os.path.isdir(args.checkpoint):
@@ -63,9 +65,14 @@ def main(argv: list[str] | None = None) -> float:
         engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed,
                         log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
         try:
-            accuracy = held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens)
+            scored = held_out(engine, task, tok, args.rollout.max_prompt_tokens)
         finally:
             engine.close()
+    for row in scored["eval_samples"][:args.samples]:
+        cut = ", cut at --rollout.max-tokens" if row["clipped"] else ""
+        print(f"  sample: {row['prompt']!r} -> {row['completion']!r} (answer {row['answer']!r}, "
+              f"reward {row['reward']:.3g}{cut})")
+    accuracy = scored["eval_accuracy"]
     print(f"eval_accuracy {accuracy:.4f} on {len(task.eval_set)} prompts", flush=True)
     return accuracy
 

@@ -34,7 +34,7 @@ from minirl.models import token_logprobs as score
 from minirl.objective import logprob_gap, policy_loss
 from minirl.offload import HandOff, Profile, Together, TrainerOffload
 from minirl.rollout import Engine, check_model
-from minirl.tasks import dp_partition, encode_prompt, held_out_accuracy, make_task, prompt_id
+from minirl.tasks import dp_partition, encode_prompt, held_out, make_task, prompt_id
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
                  tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict(),
-                 total_steps=args.steps)
+                 total_steps=args.steps, samples=args.log.samples)
     if args.checkpoint.resume == "auto" and not resume:
         log.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
     log.info(f"minirl.grpo: {world.world_size} rank(s) on {world.device}; model {path}; n_mini={args.n_mini} "
@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
                         loop_state={"loop": "grpo", "optimizer_steps": acc.steps, "skipped": acc.skipped,
                                     "probe_done": probe.done})
 
-    def evaluate() -> float:  # greedy accuracy on the held-out prompts (a collective over the ranks)
-        return held_out_accuracy(engine, task, tok, args.rollout.max_prompt_tokens, world.rank, world.world_size)
+    def evaluate(version: int) -> dict:  # greedy accuracy on the held-out prompts (a collective over the ranks)
+        scored = held_out(engine, task, tok, args.rollout.max_prompt_tokens, world.rank, world.world_size)
+        return {**scored, "eval_version": version}
 
     stop, terminate = dist.sigterm_flag(), False
     stall = Stall(rl.max_skipped_steps, f"a learning rate too high for this model (--rl.lr={rl.lr}) or non-finite "
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
             handoff.start_fresh()
             if args.log.eval_every:  # the baseline, before the first update
                 with log.phase("eval", announce="scoring the held-out prompts before training"):
-                    baseline = evaluate()
-                log.write({"step": 0, "eval_accuracy": baseline, "eval_version": 0})
+                    baseline = evaluate(0)
+                log.write({"step": 0, **baseline})
         record: dict = {}
         step = start - 1  # the last step done, should the loop have none left
         for step in range(start, args.steps):
@@ -130,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             # ---- score and advantages ----
             texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
-            rewards = torch.tensor([task.reward(t, problems[pid].answer)
-                                    for t, pid in zip(texts, samples.prompt_ids)])   # (B_r,)
+            clipped = [f == "length" for f in samples.finish_reasons]  # cut by the cap: 0 from every reward
+            rewards, parts = task.scorer(texts, [problems[pid].answer for pid in samples.prompt_ids], clipped)
+            rewards = torch.tensor(rewards)                                         # (B_r,)
             if dist.fault_due("nan_rewards", step, onward=True):  # tests: a run that can no longer learn
                 rewards = rewards * float("nan")
             advantages = group_advantages(rewards, G, rl.scale_by_std)              # (B_r,)
@@ -166,14 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
             rolled = across_ranks(roll_up(calls))
             entropy, gap = rolled.pop("grpo_entropy", None), rolled.pop("grpo_logprob_gap", None)
             record = {"step": step,
-                      **sample_metrics(rewards, G, lengths, [f == "length" for f in samples.finish_reasons]),
+                      **sample_metrics(rewards, G, lengths, clipped, dict(zip(task.scorer.names, parts))),
                       **rolled, "entropy": entropy, "logprob_gap": gap, **roll_up(steps_out),
                       "lr": optimizer.param_groups[0]["lr"], "optimizer_steps": acc.steps,
                       "weight_syncs": engine.loads - syncs, "memory_peak_gib": memory_peak_gib(world.device)}
             if evaluates:
                 with log.phase("eval"):
-                    record["eval_accuracy"] = evaluate()
-                    record["eval_version"] = step + 1  # the policy after this step's update
+                    record.update(evaluate(step + 1))  # the policy after this step's update
                 profile.mark("eval")
             terminate = stop()
             if (saves and evaluates) or (terminate and not saves):  # saved in the update window already

@@ -1,9 +1,13 @@
-"""The run log: phase timers, one metrics.jsonl record per step, one console line per step.
+"""The run log: phase timers, one metrics.jsonl record per step, one console line per step, and
+every eval's held-out completions in samples.jsonl.
 
 Only rank 0 writes. Records are flushed line by line, so a crashed run keeps every finished
-step. A resumed run keeps the steps before its checkpoint: the history is rewritten to a
-temporary file, fsynced and renamed over metrics.jsonl before anything slow starts, so a kill at
-any moment leaves either the old history or the kept one, never an empty file. Keys: `step`, `reward_mean`, the objective's rolled-up metrics, and `time/<phase>`.
+step. A resumed run keeps the steps before its checkpoint: each history is rewritten to a
+temporary file, fsynced and renamed over metrics.jsonl (and samples.jsonl) before anything slow
+starts, so a kill at any moment leaves either the old history or the kept one, never an empty file.
+Keys: `step`, `reward_mean` and `reward/<function>`, the objective's rolled-up metrics, and
+`time/<phase>`. samples.jsonl: one line per held-out prompt per eval, `step`, `eval_version`,
+`prompt`, `completion`, `answer`, `reward`, `clipped`; the console shows the first --log.samples.
 metrics.jsonl is always written; TensorBoard (`--log.tensorboard`) and Weights & Biases
 (`--log.wandb-project`) get the same numbers when asked for, and need their optional extras.
 """
@@ -25,12 +29,12 @@ from minirl.config import ConfigError
 
 class RunLog:
     def __init__(self, run_dir: str, enabled: bool, every: int = 1, start_step: int = 0, tensorboard: bool = False,
-                 wandb_project: str = "", config: dict | None = None, total_steps: int = 0):
-        self.run_dir, self.enabled, self.every, self.total = run_dir, enabled, every, total_steps
-        self.start_step = start_step
+                 wandb_project: str = "", config: dict | None = None, total_steps: int = 0, samples: int = 2):
+        self.run_dir, self.enabled, self.every, self.total, self.shown = run_dir, enabled, every, total_steps, samples
+        self.start_step, self._evals = start_step, 0
         self.times: dict[str, float] = {}
         self.step_times: list[float] = []  # for the ETA
-        self._file = self._tb = self._wandb = None
+        self._file = self._samples = self._tb = self._wandb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -54,21 +58,8 @@ class RunLog:
                                      resume="allow")
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            path = os.path.join(run_dir, "metrics.jsonl")
-            kept = []
-            if start_step and os.path.exists(path):  # a resumed run keeps the steps it does not re-run
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        kept = [line for line in f if line.strip() and _step(line) < start_step]
-                except UnicodeDecodeError as e:
-                    raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), so its history cannot "
-                                      "be kept; move it aside to resume without it") from e
-            with open(path + ".tmp", "w") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
-            self._file = open(path, "a")
+            self._file = _history(os.path.join(run_dir, "metrics.jsonl"), start_step)
+            self._samples = _history(os.path.join(run_dir, "samples.jsonl"), start_step)
 
     @contextlib.contextmanager
     def phase(self, name: str, announce: str = ""):
@@ -86,7 +77,9 @@ class RunLog:
                 self.info(f"{announce}: done in {dt:.1f} s")
 
     def write(self, record: dict) -> None:
-        """Append one record (plus this step's phase times) and print the console line."""
+        """Append one record (plus this step's phase times) and print the console line. An eval's
+        `eval_samples` go to samples.jsonl, and the first --log.samples of them to the console."""
+        shown = record.pop("eval_samples", [])
         record = {k: v for k, v in {**record, **{k: round(v, 4) for k, v in self.times.items()}}.items()
                   if v is not None}
         self.times = {}
@@ -109,6 +102,19 @@ class RunLog:
                 recent = (self.step_times[1:] or self.step_times)[-20:]  # the first step's warm-up is no rate
                 eta = sum(recent) / len(recent) * max(self.total - record["step"] - 1, 0)
             print(console_line(record, self.total, eta, first=record.get("step") == self.start_step), flush=True)
+        if shown:
+            self._write_samples(record, shown)
+
+    def _write_samples(self, record: dict, rows: list[dict]) -> None:
+        where = {"step": record.get("step", 0), "eval_version": record.get("eval_version")}
+        self._samples.writelines(json.dumps({**where, **row}) + "\n" for row in rows)
+        self._samples.flush()
+        first = self._evals * self.shown % len(rows)  # each eval shows the next few prompts of the set
+        self._evals += 1
+        for row in (rows[first:] + rows[:first])[:self.shown]:
+            cut = ", cut at --rollout.max-tokens" if row.get("clipped") else ""
+            print(f"  sample (version {where['eval_version']}): {row['prompt']!r} -> {row['completion']!r} "
+                  f"(answer {row['answer']!r}, reward {row['reward']:.3g}{cut})", flush=True)
 
     def info(self, msg: str) -> None:
         """minirl's own lines go to stdout with the step lines; errors alone go to stderr."""
@@ -116,12 +122,32 @@ class RunLog:
             print(msg, flush=True)
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        for f in (self._file, self._samples):
+            if f:
+                f.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _history(path: str, start_step: int):
+    """`path` open for appending. A resumed run keeps only the lines of the steps before `start_step`,
+    written to a temporary file, fsynced and renamed over it; a fresh run starts it empty."""
+    kept = []
+    if start_step and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and _step(line) < start_step]
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}), so its history cannot "
+                              "be kept; move it aside to resume without it") from e
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 def engine_log(log_cfg, rank: int, several: bool) -> str | None:
@@ -132,18 +158,22 @@ def engine_log(log_cfg, rank: int, several: bool) -> str | None:
     return os.path.join(log_cfg.run_dir, f"engine_rank{rank}.log" if several else "engine.log")
 
 
-def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], clipped: list[bool]) -> dict:
+def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], clipped: list[bool],
+                   parts: dict | None = None) -> dict:
     """The step's samples over every rank (a collective; each rank passes its own whole groups):
-    reward mean and std, the share of groups whose rewards are all equal (no learning signal),
-    completion lengths, and the share of completions cut at --rollout.max-tokens."""
+    reward mean and std, each reward function's mean (`parts`: name -> its values), the share of
+    groups whose rewards are all equal (no learning signal), completion lengths, and the share of
+    completions cut at --rollout.max-tokens."""
     r = rewards.double().view(-1, group_size)                                        # (groups, G)
+    parts = parts or {}
     flat = dist.all_reduce(torch.tensor([r.numel(), r.sum(), r.square().sum(), r.shape[0],
-                                         (r.max(1).values == r.min(1).values).sum(), sum(lengths), sum(clipped)],
-                                        dtype=torch.float64))
-    n, total, squares, groups, flat_groups, tokens, cut = flat.tolist()
+                                         (r.max(1).values == r.min(1).values).sum(), sum(lengths), sum(clipped),
+                                         *(float(sum(v)) for v in parts.values())], dtype=torch.float64))
+    n, total, squares, groups, flat_groups, tokens, cut, *sums = flat.tolist()
     far = dist.all_reduce(torch.tensor([max(lengths), -min(lengths)], dtype=torch.float64), "max").tolist()
     mean = total / n
     return {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
+            **{f"reward/{name}": s / n for name, s in zip(parts, sums)},
             "frac_reward_zero_std": flat_groups / groups, "completion_len_mean": tokens / n,
             "completion_len_min": -far[1], "completion_len_max": far[0], "completion_clip_ratio": cut / n}
 

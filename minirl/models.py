@@ -4,7 +4,7 @@ Contract: every model comes from a local Hugging Face folder. `resolve_path` tur
 `--model.path` (a folder, a hub name, or `tiny`) into that folder BEFORE anything heavy is
 built, so a bad path fails fast; the trainer and the vLLM engine then read the same folder.
 The tiny model is a Qwen2 with a character-level tokenizer built with `tokenizers` (no
-download), given a deliberately short supervised warm start on the built-in task
+download), given a deliberately rough supervised warm start on the built-in task
 (tasks.warm_start), and written once with `save_pretrained` into a cache folder.
 
 Shapes: B sequences, T tokens, V vocab.
@@ -103,7 +103,7 @@ def build_tiny(shape: TinyModelConfig) -> str:
     """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 1]).encode()).hexdigest()[:10]
+    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
     path = os.path.join(cache_dir(), f"tiny-{key}")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path

@@ -47,7 +47,7 @@ from minirl.logger import engine_log, memory_peak_gib
 from minirl.offload import HandOff, Together
 from minirl.rollout import Engine, Samples
 from minirl.sampler import Group, ReadyGroups
-from minirl.tasks import encode_prompt, held_out_accuracy, make_task, prompt_id
+from minirl.tasks import encode_prompt, held_out, make_task, prompt_id
 
 POLL_S = 0.005
 
@@ -58,14 +58,15 @@ class StoreGroups:
     """The train side of disaggregated placement. Keys: `weights/manifest` (refit.manifest),
     `start` (the step a run begins at), `version/{v}` ("1": weights follow on the refit group;
     "0": unchanged), `group/{s}/{i}` (one group's samples, in parts), `loaded/{r}` (the version
-    rollout rank r holds), `eval/{v}`, `stop`. Versions every rollout rank has taken are dropped."""
+    rollout rank r holds), `eval/{v}` (tasks.held_out's JSON, in parts, dropped once logged),
+    `stop`. Versions every rollout rank has taken are dropped."""
 
     colocated = False
 
     def __init__(self, args: PPOArgs, store, world: dist.World):
         self.args, self.store, self.world = args, store, world
         self.dtype = models.DTYPES[args.model.dtype]  # the engine's dtype; the masters are float32
-        self.next_eval = 0
+        self.next_eval, self.last_eval = 0, -1
         self.t_all_ready = 0.0  # controller: when the step's last group became ready
         self.published: list[int] = []  # version keys still in the store
         self.group, self.buckets = None, []
@@ -125,15 +126,21 @@ class StoreGroups:
         """The newest held-out accuracy the rollout side has posted (it scores versions asynchronously)."""
         out = {}
         while self.world.is_main and self.args.log.eval_every and self.store.check([f"eval/{self.next_eval}"]):
-            out = {"eval_accuracy": float(self.store.get(f"eval/{self.next_eval}")), "eval_version": self.next_eval}
+            out = self._eval(self.next_eval)
             self.next_eval += self.args.log.eval_every
         return out
 
     def final_eval(self, steps: int) -> dict:
-        if not (self.world.is_main and self.args.log.eval_every):
+        if not (self.world.is_main and self.args.log.eval_every) or self.last_eval == steps:  # logged already
             return {}
         self.store.wait([f"eval/{steps}"])
-        return {"eval_accuracy": float(self.store.get(f"eval/{steps}")), "eval_version": steps}
+        return self._eval(steps)
+
+    def _eval(self, version: int) -> dict:
+        scored = json.loads(take(self.store, f"eval/{version}"))
+        drop(self.store, f"eval/{version}")
+        self.last_eval = version
+        return {**scored, "eval_version": version}
 
     def save(self, fn) -> None:
         fn()
@@ -166,11 +173,12 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     try:
         group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))
-        limit, every = args.rollout.max_prompt_tokens, args.log.eval_every
+        limit, every, scored = args.rollout.max_prompt_tokens, args.log.eval_every, set()
 
-        def evaluate(version: int) -> None:  # global rank 0 scores every version the run evaluates
-            if roles.global_rank == 0 and every and version % every == 0 and not store.check([f"eval/{version}"]):
-                store.set(f"eval/{version}", str(held_out_accuracy(engine, task, tok, limit)))
+        def evaluate(version: int, due: bool = False) -> None:  # global rank 0 scores the run's eval versions
+            if roles.global_rank == 0 and every and (due or version % every == 0) and version not in scored:
+                put(store, f"eval/{version}", json.dumps(held_out(engine, task, tok, limit)).encode())  # never unpickled
+                scored.add(version)
 
         if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
             return
@@ -193,8 +201,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:
             return
-        if roles.global_rank == 0 and every:
-            store.set(f"eval/{args.steps}", str(held_out_accuracy(engine, task, tok, limit)))
+        evaluate(args.steps, due=True)
         term.wait("stop")  # global rank 0 hosts the store: it must outlive the trainer's last use of it
     finally:
         engine.close()
@@ -370,9 +377,8 @@ class EngineGroups:
         every = self.args.log.eval_every
         if not every or (version % every and version != self.args.steps):
             return {}
-        acc = held_out_accuracy(self.engine, self.task, self.tok, self.args.rollout.max_prompt_tokens,
-                                self.world.rank, self.world.world_size)
-        return {"eval_accuracy": acc, "eval_version": version}
+        return {**held_out(self.engine, self.task, self.tok, self.args.rollout.max_prompt_tokens, self.world.rank,
+                           self.world.world_size), "eval_version": version}
 
     def final_eval(self, steps: int) -> dict:
         return {}  # `evals` scored the last version already
@@ -404,13 +410,14 @@ def _generate(engine: Engine, task, tok, indices: list[int], step: int, args: PP
     prompts = [encode_prompt(tok, q.prompt, args.rollout.max_prompt_tokens) for q in problems]
     s = engine.generate(prompts, pids, G)
     texts = tok.batch_decode(s.completion_tokens, skip_special_tokens=True)
+    clipped = [f == "length" for f in s.finish_reasons]  # cut by the cap: 0 from every reward
+    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(G)], clipped)
     for j, i in enumerate(indices):
         rows = slice(j * G, (j + 1) * G)
-        rewards = [task.reward(t, problems[j].answer) for t in texts[rows]]
-        yield i, _group(s, rows, rewards, version)
+        yield i, _group(s, rows, rewards[rows], [p[rows] for p in parts], version)
 
 
-def _group(s: Samples, rows: slice, rewards: list[float], version: int) -> dict[str, torch.Tensor]:
+def _group(s: Samples, rows: slice, rewards: list[float], parts: list[list[float]], version: int) -> dict:
     comps = s.completion_tokens[rows]
     T = max(map(len, comps))
     pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
@@ -419,5 +426,6 @@ def _group(s: Samples, rows: slice, rewards: list[float], version: int) -> dict[
             "lengths": torch.tensor([len(c) for c in comps]),
             "logprobs": torch.tensor(pad(s.logprobs[rows], 0.0)),
             "rewards": torch.tensor(rewards, dtype=torch.float32),
+            "reward_parts": torch.tensor(parts, dtype=torch.float32),  # (functions, G): reward/<name>
             "clipped": torch.tensor([f == "length" for f in s.finish_reasons[rows]]),
             "version": torch.tensor(version)}

@@ -1,7 +1,8 @@
 """A run's learning curve: `python -m minirl.plot RUN_DIR` -> RUN_DIR/curve.png.
 
 Reads RUN_DIR/metrics.jsonl (one record per step, as logger.RunLog writes it) and draws one
-panel per quantity that the run logged: reward and held-out accuracy, the policy loss, the
+panel per quantity that the run logged: reward (and each `--task.reward` function's mean when there
+are several) and held-out accuracy, the policy loss, the
 completion lengths, the shares of clipped completions and of groups without signal, the policy
 loss, the value loss (PPO), KL and clip fraction, entropy, gradient norms, step time. Works on a run that is still
 going or crashed: every complete line is a finished step.
@@ -48,6 +49,14 @@ def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def drawn(records: list[dict]) -> list[tuple[str, list[str]]]:
+    """The panels with something to draw, and their keys; several --task.reward functions join the reward panel."""
+    several = sorted({k for r in records for k in r if k.startswith("reward/")})
+    extra = {"reward": several if len(several) > 1 else []}
+    panels = [(t, [k for k in keys + extra.get(t, []) if series(records, k)[0]]) for t, keys in PANELS]
+    return [(t, keys) for t, keys in panels if keys]
+
+
 def plot(run_dir: str, out: str | None = None) -> str:
     import matplotlib
 
@@ -55,8 +64,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     records = read(run_dir)
-    panels = [(t, [k for k in keys if series(records, k)[0]]) for t, keys in PANELS]
-    panels = [(t, keys) for t, keys in panels if keys]
+    panels = drawn(records)
     if not panels:
         raise SystemExit(f"minirl.plot: no step records in {run_dir}/metrics.jsonl yet")
     cols = 2

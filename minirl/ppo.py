@@ -28,6 +28,7 @@ from minirl.config_ppo import PPOArgs
 from minirl.logger import RunLog, memory_peak_gib, sample_metrics
 from minirl.offload import TrainerOffload
 from minirl.placement import EngineGroups, StoreGroups, rollout_rank
+from minirl.rewards import scorer
 from minirl.rollout import Samples, check_model
 from minirl.sampler import ReadyGroups
 from minirl.stream import PumpConfig, TrainPump
@@ -66,11 +67,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | None) -> None:
     p, a = args.ppo, args.async_rl
-    P = p.num_prompts_per_step
+    P, reward_names = p.num_prompts_per_step, scorer(args.task).names  # reward/<name> in the metrics
     start = checkpoint.steps_done(resume) if resume else 0
     log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=start,
                  tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project, config=args.to_dict(),
-                 total_steps=args.steps)
+                 total_steps=args.steps, samples=args.log.samples)
     mode = f"streaming, min {a.min_groups_for_streaming_train} groups" if args.streaming else "full batch"
     log.info(f"minirl.ppo: {args.grid.gpu_placement}, {world.world_size} train rank(s) on {world.device}; {mode}; "
              f"model {path}")
@@ -138,11 +139,12 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
                 log.info(f"step {step}: waiting for the first completed groups from the rollout ranks ...")
             ready = ReadyGroups(P, a.min_groups_for_streaming_train, a.sampler.name,
                                 a.sampler.max_lookahead_versions, align=world.world_size)
-            rewards, lengths, clipped, prompt_tokens, t_first_chunk, consumed = [], [], [], 0, None, 0
+            rewards, by_reward, lengths, clipped, prompt_tokens, t_first_chunk, consumed = [], [], [], [], 0, None, 0
             for taken, groups in source.chunks(step, ready):
                 consumed += taken
                 t_first_chunk = t_first_chunk or time.perf_counter()
                 rewards += [g["rewards"] for g in groups]
+                by_reward += [g["reward_parts"] for g in groups]
                 lengths += [g["lengths"] for g in groups]
                 clipped += [g["clipped"] for g in groups]
                 prompt_tokens += sum(g["prompt"].numel() * g["lengths"].numel() for g in groups)
@@ -154,7 +156,8 @@ def train(args: PPOArgs, path: str, world: dist.World, source, resume: str | Non
             ready.release()
             source.release(step)  # only after both updates (S11)
             r, n = torch.cat(rewards), torch.cat(lengths)
-            samples = sample_metrics(r, p.num_generations_per_prompt, n.tolist(), torch.cat(clipped).tolist())
+            samples = sample_metrics(r, p.num_generations_per_prompt, n.tolist(), torch.cat(clipped).tolist(),
+                                     dict(zip(reward_names, torch.cat(by_reward, dim=1))))
             prompts = dist.all_reduce(torch.tensor([float(prompt_tokens)], dtype=torch.float64)).item()
             dt = time.perf_counter() - t0
             rolled = across_ranks(out)

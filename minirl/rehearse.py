@@ -273,7 +273,7 @@ def _groups(count: int, G: int, args, first: bool) -> list[dict]:
     several chunks the first two groups are half as long (packed together)."""
     from minirl.placement import _group
     half = lambda g: first and g < 2 <= count  # noqa: E731
-    return [_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, 0)
+    return [_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, [[1.0] * G], 0)
             for g in range(count)]
 
 

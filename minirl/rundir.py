@@ -24,8 +24,8 @@ from minirl.config import ConfigError
 
 _held: dict[str, object] = {}  # run dir -> its open lock file, kept open (and locked) until the process exits
 
-OLD_RUN = ("metrics.jsonl", "metrics.jsonl.tmp", "config.json", "final", "final.tmp", "tensorboard", "wandb",
-           "wandb_run_id", "curve.png")
+OLD_RUN = ("metrics.jsonl", "metrics.jsonl.tmp", "samples.jsonl", "samples.jsonl.tmp", "config.json", "final",
+           "final.tmp", "tensorboard", "wandb", "wandb_run_id", "curve.png")
 
 
 def holds_run(run_dir: str) -> bool:

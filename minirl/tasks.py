@@ -1,12 +1,12 @@
-"""Prompt sets, deterministic prompt ids, and rewards that only parse text.
+"""Prompt sets, deterministic prompt ids, and held-out scoring.
 
 - `CountTask` (built in): "how many a's in this string?" e.g. prompt `abbab#a=`, answer `2`.
   Problems are a pure function of (seed, index); the held-out set is disjoint from training
   by construction (a string is held out iff its hash says so), so eval accuracy is honest.
 - `JsonlTask`: {"prompt": ..., "answer": ...} per line; GSM8K answers (`... #### 42`) are cut
   to the number after `####`.
-- Rewards: 1.0 when the answer number extracted from the completion equals the reference,
-  else 0.0. A completion is parsed with a regex, never executed.
+- Rewards are rewards.py's: `make_task` gives every task its `scorer` (--task.reward, or the
+  task's own strict one), and `held_out` scores greedy completions of the held-out prompts with it.
 - Prompt ids (B14): `prompt_id(shard, index)` is
   deterministic, monotonic in the index, and scoped by shard so replicas never collide. The
   data-parallel partition sorts rows by (group_id, id) and deals contiguous whole groups.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass
 
+from minirl import rewards
 from minirl.config import ConfigError, TaskConfig
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
@@ -47,26 +47,6 @@ def dp_partition(keys: list[tuple[int, int]], rank: int, dp: int) -> list[int]:
 class Problem:
     prompt: str
     answer: str
-
-
-_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def extract_number(text: str, last: bool = False) -> str | None:
-    """The first (or last) number in `text`, commas removed; None if there is none."""
-    found = _NUM.findall(text)
-    if not found:
-        return None
-    return found[-1 if last else 0].replace(",", "").rstrip(".")
-
-
-def _same_number(a: str | None, b: str) -> bool:
-    if a is None:
-        return False
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return a == b
 
 
 class CountTask:
@@ -105,12 +85,9 @@ class CountTask:
                 return p
             j += 1
 
-    def reward(self, completion: str, answer: str) -> float:
-        return float(_same_number(extract_number(completion), answer))
-
 
 class JsonlTask:
-    """Prompts and reference answers from a JSONL file; GSM8K-style answer extraction.
+    """Prompts and reference answers from a JSONL file; a GSM8K reference (`... #### 42`) is cut to `42`.
 
     Every line is checked when the task loads, before any model is built: a JSON object whose
     "prompt" and "answer" are strings (not null, a number, an object or a list), and, given the
@@ -165,27 +142,30 @@ class JsonlTask:
     def train_problem(self, index: int) -> Problem:
         return self.rows[index % len(self.rows)]
 
-    def reward(self, completion: str, answer: str) -> float:
-        text = completion.split("####")[-1] if "####" in completion else completion
-        return float(_same_number(extract_number(text, last=True), answer))
 
+def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by: int = 2) -> None:
+    """A deliberately ROUGH supervised start on CountTask: teacher-forced answer + EOS, where each label
+    is the count off by up to `off_by` (uniform, floored at 0).
 
-def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32) -> None:
-    """A deliberately SHORT supervised start on CountTask (teacher-forced answer + EOS).
-
-    From random init the count task's reward is too sparse for RL on 2 cores (accuracy stayed near 0.01 for 10 minutes);
-    a few supervised steps teach the answer format and stop far below what supervision alone
-    would reach, so the RL phase has real work left (the built-in model's role is that of an
-    instruct model that is mediocre at the task).
+    From random init the count task's reward is too sparse for RL on 2 cores (accuracy stayed near
+    0.01 for 10 minutes). The rough labels teach the answer format (a number, then EOS) and a count
+    that is only about right: the greedy answer is exact on about a quarter of the held-out prompts,
+    and the exact count holds about 0.2 of the probability for every count up to 7. So sampling finds
+    the right answer often enough for RL to learn from, and making it exact is the RL phase's work (the
+    built-in model's role is an instruct model that is mediocre at the task). A start on exact labels
+    stopped early instead (8 steps) left counts of 5 and more at probability 0.02: GRPO's groups almost
+    never sampled them, and the strict demo plateaued at 0.82, answering 4 to every count above 4.
     """
     import torch
 
     task = CountTask(seed=12345, eval_prompts=0)
+    rng = random.Random(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(steps):
         probs = [task.train_problem(step * batch + i) for i in range(batch)]
+        labels_text = [str(max(0, int(p.answer) + rng.randint(-off_by, off_by))) for p in probs]
         rows = [(tok(p.prompt, add_special_tokens=False).input_ids,
-                 tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]) for p in probs]
+                 tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id]) for p, a in zip(probs, labels_text)]
         T = max(len(q) + len(a) for q, a in rows)
         ids = torch.full((batch, T), tok.pad_token_id)
         labels = torch.full((batch, T), -100)
@@ -206,24 +186,32 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
     return ids
 
 
-def held_out_accuracy(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> float:
-    """Greedy accuracy on the held-out prompts. With world > 1 every rank of the default group
-    scores its slice and the counts are summed over ranks (a collective)."""
+def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> dict:
+    """Greedy completions of the held-out prompts, scored by the task's scorer (the training reward):
+    `eval_accuracy` is the first reward function's mean, and `eval_samples` (on rank 0) every prompt
+    with its completion, answer and reward. With world > 1 every rank of the default group scores its
+    slice (a collective)."""
     import torch
 
     from minirl import dist
 
     share = task.eval_set[rank::world]
-    hits = 0.0
+    rows, hits = [], 0.0
     if share:
         prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
         out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
         texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-        hits = sum(task.reward(t, p.answer) for t, p in zip(texts, share))
+        clipped = [f == "length" for f in out.finish_reasons]
+        rewards, parts = task.scorer(texts, [p.answer for p in share], clipped)
+        hits = sum(parts[0])
+        rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c}
+                for p, t, r, c in zip(share, texts, rewards, clipped)]
     tot = torch.tensor([float(hits), float(len(share))])
     if world > 1:
         dist.all_reduce(tot)
-    return (tot[0] / tot[1].clamp_min(1)).item()
+        got = dist.gather_json(rows)  # rank r scored prompts r, r + world, ...: back in the set's order
+        rows = [got[j % world][j // world] for j in range(len(task.eval_set))]
+    return {"eval_accuracy": (tot[0] / tot[1].clamp_min(1)).item(), "eval_samples": rows if rank == 0 else []}
 
 
 def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: bool = False):
@@ -241,4 +229,5 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
         raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path, raise --task.eval-prompts, "
                           "or turn evaluation off with --log.eval-every 0")
+    task.scorer = rewards.scorer(cfg)
     return task

@@ -4,8 +4,12 @@
 # rest of each step is still generating.
 #   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --out data/gsm8k
 #   bash recipes/gsm8k_ppo_8gpu.sh
-# Expect (reference, not measured by minirl): verl reports Qwen2.5-0.5B-Instruct going from 49.6 to
-# 56.7 on GSM8K test with PPO (eval_accuracy here is greedy accuracy on 512 test problems).
+# Expect (reference, not measured by minirl): verl's baseline table (docs/algo/baseline.md) lists
+# Qwen2.5-0.5B-Instruct at 36.4 on GSM8K test as the checkpoint (a number it takes from the Qwen blog,
+# not its own eval) and 56.7 after PPO, scored by verl's gsm8k reward: strict, the number after "####"
+# (reward_score/gsm8k.py, method="strict"). minirl's reward and eval_accuracy here are the same strict
+# `#### N` (--task.answer-format strict, the default; a completion cut at --rollout.max-tokens earns 0,
+# which verl does not do), greedy, on the first 512 of the 1319 test problems.
 # Against verl's quickstart PPO run on this model (as we read it: 256 prompts x 1 sample per step,
 # 256 response tokens, actor lr 1e-6, critic lr 1e-5, mini-batches of 64, KL 0.001, 15 epochs):
 # - the same learning rates, response length, samples per prompt and about 15 epochs (435 steps);

@@ -5,7 +5,8 @@
     python recipes/prepare_gsm8k.py --from ~/grade-school-math/data --out data/gsm8k   # no network, no datasets
 
 Writes OUT/train.jsonl (7473 problems) and OUT/test.jsonl (1319). The instruction asks for the
-final answer after "####", which is what tasks.JsonlTask's reward reads (a regex, never eval).
+final answer after "####", which is what the JSONL task's strict reward reads (minirl.rewards:gsm8k,
+a regex, never eval).
 The same prompt as verl's GSM8K example, so the numbers compare. `--from DIR` reads a local copy
 instead of the hub: GSM8K's own train.jsonl and test.jsonl (each line {"question", "answer"}, as in
 the grade-school-math repository), or the hub dataset's train/test parquet files.

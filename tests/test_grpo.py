@@ -45,11 +45,28 @@ def test_single_process_run_logs_every_step_and_exports_hf(one_rank):
     assert baseline["time/eval"] > 0  # start-up phases (build_trainer, build_engine) may ride along
     assert [r.get("eval_version") for r in recs] == [None, 2, 3]  # every 2 steps, and after the last
     assert "reward" in p.stdout and "step    2" in p.stdout
+    assert all(r["reward/count"] == r["reward_mean"] for r in recs)  # the one built-in reward, logged by name
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(d / "final")
     saved = load_file(d / "final" / "model.safetensors")
     assert torch.equal(m.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
     assert json.load(open(d / "config.json"))["rl"]["group_size"] == 4
+
+
+def test_every_eval_writes_its_completions_to_samples_jsonl_and_prints_two(one_rank):
+    d, p = one_rank
+    rows = [json.loads(line) for line in open(d / "samples.jsonl")]
+    evals = [r for r in map(json.loads, open(d / "metrics.jsonl")) if "eval_accuracy" in r]
+    assert [(r["step"], r["eval_version"]) for r in rows[::128]] == [(r["step"], r["eval_version"]) for r in evals]
+    assert len(rows) == 128 * len(evals)
+    for r in rows:
+        assert set(r) == {"step", "eval_version", "prompt", "completion", "answer", "reward", "clipped"}
+        assert r["reward"] == float(r["completion"] == r["answer"] and not r["clipped"])  # the strict scorer
+    for e in evals:  # eval_accuracy is the mean reward of the eval's rows
+        mine = [r["reward"] for r in rows if r["eval_version"] == e["eval_version"]]
+        assert e["eval_accuracy"] == pytest.approx(sum(mine) / len(mine))
+    shown = [line for line in p.stdout.splitlines() if line.startswith("  sample (version")]
+    assert len(shown) == 2 * len(evals) and repr(rows[0]["prompt"]) in shown[0]
 
 
 def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
@@ -61,6 +78,9 @@ def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
     assert p.returncode == 0
     r1, r2 = records(d1), records(tmp_path)
     assert [r["reward_mean"] for r in r1] == [r["reward_mean"] for r in r2]
+    # each rank scores half the held-out prompts; rank 0 writes them all, in the set's order
+    held = lambda d: [(r["prompt"], r["eval_version"]) for r in map(json.loads, open(d / "samples.jsonl"))]  # noqa: E731
+    assert held(tmp_path) == held(d1)
     a, b = load_file(d1 / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
@@ -95,6 +115,7 @@ def test_bad_flags_fail_fast_naming_the_flag(tmp_path, tiny_path):
                         (["--model.path", str(garbage)], "config.json is not valid JSON"),
                         (["--task.name", "jsonl", "--task.path", str(bad_jsonl)], f"{bad_jsonl}:2"),
                         (["--rl.clip-eps", "-0.2"], "--rl.clip-eps"),
+                        (["--task.reward", "no_such_module_xyz:f"], "--task.reward"),
                         (["--log.run-dir", str(used)], "already holds a run")]:
         run_dir = [] if "--log.run-dir" in flags else ["--log.run-dir", str(tmp_path / "r")]
         p = run([sys.executable, "-m", "minirl.grpo", *flags, *run_dir], timeout=120)
@@ -114,7 +135,7 @@ def without_times(recs):
 def seeded_pair(tmp_path_factory):
     """Two runs with the same seed and config, and one micro-batched (gates of B16)."""
     base = ["--steps", "2", "--log.eval-every", "0", "--rl.batch-per-replica", "32", "--rl.group-size", "4",
-            "--rollout.max-tokens", "8"]
+            "--rollout.max-tokens", "8", "--model.tiny.warm-start-steps", "0"]  # stops anywhere: unequal lengths
     dirs = {}
     for name, extra in [("a", []), ("b", []), ("micro", ["--rl.micro-batch-per-replica", "8"])]:
         d = tmp_path_factory.mktemp(name)

@@ -129,16 +129,22 @@ def test_a_runs_config_json_reruns_that_run(finished, tmp_path):
 @pytest.mark.slow
 def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     """minirl-eval scores final/ and the last checkpoint alike, with the number the run itself
-    logged for its last evaluation; minirl-export writes that checkpoint as final/ was written."""
+    logged for its last evaluation, and prints the completions that evaluation wrote to samples.jsonl;
+    minirl-export writes that checkpoint as final/ was written."""
     last = [r["eval_accuracy"] for r in map(json.loads, open(finished / "metrics.jsonl")) if "eval_accuracy" in r][-1]
+    logged = [json.loads(line) for line in open(finished / "samples.jsonl")][-128:][:4]
+    expected = [f"  sample: {r['prompt']!r} -> {r['completion']!r} (answer {r['answer']!r}, reward {r['reward']:.3g}"
+                for r in logged]
     ckpt = finished / "checkpoints" / "step_00000002"
     lines = []
     for flags in (["--model.path", str(finished / "final")], ["--checkpoint", str(ckpt)]):
         p = run([script("minirl-eval"), *flags])
         assert p.returncode == 0
         lines.append(p.stdout.strip().splitlines()[-1])
+        shown = [line for line in p.stdout.splitlines() if line.startswith("  sample: ")]
+        assert len(shown) == 4 and all(line.startswith(e) for line, e in zip(shown, expected)), (shown, expected)
         noise = [line for line in (p.stdout + p.stderr).splitlines() if line.strip() and "Warning" not in line
-                 and not line.startswith(("exported", "eval_accuracy"))]
+                 and not line.startswith(("exported", "eval_accuracy", "  sample: "))]
         assert len(noise) <= 3, noise  # the engine's own lines go to its log file (about 22 lines before)
     assert lines[0] == lines[1] == f"eval_accuracy {last:.4f} on 128 prompts"
     p = run([script("minirl-export"), str(ckpt), str(tmp_path / "out")])

@@ -20,6 +20,27 @@ def test_records_are_flushed_per_step_and_a_resume_keeps_earlier_steps(tmp_path)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
+def test_eval_samples_go_to_samples_jsonl_the_console_shows_some_and_a_resume_trims_them(tmp_path, capsys):
+    rows = [{"prompt": f"ab{i}#a=", "completion": "1" * i, "answer": "1", "reward": float(i == 1), "clipped": i == 3}
+            for i in range(4)]
+    log = RunLog(str(tmp_path), enabled=True, samples=3)
+    for s in range(4):
+        log.write({"step": s, "reward_mean": 0.5, **({"eval_accuracy": 0.25, "eval_version": s + 1,
+                                                     "eval_samples": rows} if s % 2 else {})})
+    log.close()
+    written = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert written == [{"step": s, "eval_version": s + 1, **r} for s in (1, 3) for r in rows]
+    assert all("eval_samples" not in json.loads(line) for line in open(tmp_path / "metrics.jsonl"))
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  sample")]
+    assert len(shown) == 6 and shown[1] == "  sample (version 2): 'ab1#a=' -> '1' (answer '1', reward 1)"
+    assert shown[2].endswith("reward 0)")
+    # the next eval shows the next prompts of the set: the fourth, then the first two again
+    assert shown[3].startswith("  sample (version 4): 'ab3#a='") and shown[3].endswith("cut at --rollout.max-tokens)")
+    assert shown[4].startswith("  sample (version 4): 'ab0#a='")
+    RunLog(str(tmp_path), enabled=True, start_step=2).close()  # resumed at step 2: step 3's eval is gone
+    assert [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")] == [1] * 4
+
+
 def test_a_resume_rewrite_that_fails_midway_leaves_the_old_history_whole(tmp_path, monkeypatch):
     """The resume's rewrite of metrics.jsonl goes to a temporary file that replaces the history only
     once it is on disk: a failure before that (fsync raising, as on a full or failing disk) leaves

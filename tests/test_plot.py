@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from minirl.plot import plot, read, series
+from minirl.plot import drawn, plot, read, series
 
 
 def write_run(d, records, tail=""):
@@ -23,6 +23,13 @@ def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert len(read(str(tmp_path))) == 6
     assert series(read(str(tmp_path)), "reward_mean") == ([0, 1, 2, 3, 4], [0.0, 0.1, 0.2, 0.30000000000000004, 0.4])
+
+
+def test_several_reward_functions_are_drawn_in_the_reward_panel_and_one_is_not():
+    one = [{"step": s, "reward_mean": 0.5, "reward/count": 0.5} for s in range(3)]
+    two = [{"step": s, "reward_mean": 0.7, "reward/gsm8k": 0.5, "reward/ends_cleanly": 1.0} for s in range(3)]
+    assert drawn(one) == [("reward", ["reward_mean"])]
+    assert drawn(two) == [("reward", ["reward_mean", "reward/ends_cleanly", "reward/gsm8k"])]
 
 
 def test_missing_metrics_names_the_flag(tmp_path):

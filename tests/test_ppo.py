@@ -40,7 +40,8 @@ class RecordingSource:
         g = torch.Generator().manual_seed(step)
         comps = [torch.randint(3, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (P * G,), generator=g)]
         s = Samples([0] * P * G, [[5, 6, 7]] * P * G, comps, [[-1.0] * len(c) for c in comps], ["stop"] * P * G)
-        groups = [_group(s, slice(i * G, (i + 1) * G), [float(j % 2) for j in range(G)], step) for i in range(P)]
+        rewards = [float(j % 2) for j in range(G)]
+        groups = [_group(s, slice(i * G, (i + 1) * G), rewards, [rewards], step) for i in range(P)]
         ready.claimed.update({i: Group(i, step) for i in range(P)})
         self.events.append("chunk")
         yield P, groups
@@ -167,7 +168,8 @@ def colocated_source(args, world, monkeypatch):
         comps = [[5 + j, 6] for j in range(G)]
         s = Samples([0] * G, [[3, 4]] * G, comps, [[-1.0, -1.0]] * G, ["stop"] * G)
         for i in indices:
-            yield i, placement._group(s, slice(0, G), [float(j % 2) for j in range(G)], version)
+            rewards = [float(j % 2) for j in range(G)]
+            yield i, placement._group(s, slice(0, G), rewards, [rewards], version)
 
     monkeypatch.setattr(placement, "_generate", generate)
     return source, engine
@@ -232,7 +234,13 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
                     "lr", "logprob_gap", "memory_peak_gib", "value_grad_norm", "value_explained_var",
                     "advantages_mean", "returns_mean", "values_mean"):
             assert key in r, key
-    assert any("eval_accuracy" in r for r in recs)
+    assert all(r["reward/count"] == pytest.approx(r["reward_mean"]) for r in steps)
+    evals = [r for r in recs if "eval_accuracy" in r]  # scored on the rollout rank, sent through the store
+    assert [r["eval_version"] for r in evals] == [0, 2, 3]
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [r["eval_version"] for r in rows[::128]] == [0, 2, 3] and len(rows) == 3 * 128
+    assert evals[-1]["eval_accuracy"] == pytest.approx(sum(r["reward"] for r in rows[-128:]) / 128)
+    assert sum(line.startswith("  sample (version") for line in p.stdout.splitlines()) == 2 * 3
     assert (tmp_path / "final" / "model.safetensors").exists()
     assert all(r["memory_peak_gib"] >= r["rollout_memory_peak_gib"] > 0.1 for r in steps)  # the engines' too
 

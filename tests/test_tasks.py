@@ -1,4 +1,4 @@
-"""tasks.py: deterministic prompt ids and partition (B14), held-out data, rewards that only parse."""
+"""tasks.py: deterministic prompt ids and partition (B14), held-out data, the task's scorer."""
 
 import json
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 
 from minirl.config import ConfigError, TaskConfig
-from minirl.tasks import CountTask, JsonlTask, dp_partition, extract_number, make_task, prompt_id
+from minirl.tasks import CountTask, JsonlTask, dp_partition, make_task, prompt_id
 
 
 def test_prompt_ids_are_deterministic_monotonic_and_shard_scoped():
@@ -35,13 +35,6 @@ def test_count_task_is_a_pure_function_of_seed_and_index_and_held_out_is_disjoin
     assert p.answer == str(p.prompt.split("#")[0].count("a"))
 
 
-def test_rewards_parse_numbers_and_never_execute():
-    t = CountTask(0, 8)
-    assert t.reward("3", "3") == 1.0 and t.reward("x3b", "3") == 1.0 and t.reward("4", "3") == 0.0
-    assert t.reward("__import__('os').system('false')", "3") == 0.0
-    assert extract_number("so 1,234.") == "1234" and extract_number("none") is None
-
-
 def test_jsonl_task_gsm8k_answers(tmp_path):
     f = tmp_path / "p.jsonl"
     rows = [{"prompt": f"q{i}", "answer": f"work... #### {i},000"} for i in range(20)]
@@ -51,8 +44,6 @@ def test_jsonl_task_gsm8k_answers(tmp_path):
     p = t.train_problem(0)
     n = p.prompt[1:]
     assert p.answer == f"{n}000"
-    assert t.reward(f"so the answer is #### {n},000", p.answer) == 1.0
-    assert t.reward(f"{n}000 then 5", p.answer) == 0.0
 
 
 def test_jsonl_task_takes_held_out_prompts_from_a_separate_file(tmp_path):

@@ -73,12 +73,13 @@ shared = across_ranks({"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0,
 assert shared == {"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0, "grpo_n": 6.0}, shared
 
 grad_diff = max((seen[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+grad_max = max(g.abs().max().item() for g in ref_grads.values())  # float32 sums in another order: relative
 full = dict(dist.full_parameters(policy))
 param_diff = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
 assert set(full) == {n for n, _ in ref.named_parameters()}
 if world.is_main:
-    print(f"OK grad_diff={grad_diff:.3e} param_diff={param_diff:.3e}")
-assert grad_diff < 1e-6, grad_diff
+    print(f"OK grad_diff={grad_diff:.3e} of {grad_max:.3e} param_diff={param_diff:.3e}")
+assert grad_diff < 1e-6 * max(1.0, grad_max), (grad_diff, grad_max)
 assert param_diff < 1e-6, param_diff
 
 # ---- bf16 compute, float32 reduction: the reduced gradient is the float32 mean of the ranks' bf16 ones ----

@@ -1,0 +1,93 @@
+"""rewards.py: strict built-in rewards, the cap rule, plugged-in functions with weights."""
+
+import json
+import sys
+
+import pytest
+
+from minirl import rewards
+from minirl.config import ConfigError, TaskConfig
+from minirl.rewards import Scorer, count, gsm8k, gsm8k_flexible
+from minirl.tasks import make_task
+
+
+def test_count_reward_is_exactly_the_count():
+    assert count("3", "3") == 1.0
+    for hack in ("3p3p3p3p", "x3b", "3 ", "33", "03", "4"):  # the first number right is not enough
+        assert count(hack, "3") == 0.0, hack
+    assert count("__import__('os').system('false')", "3") == 0.0  # compared, never executed
+
+
+def test_a_completion_cut_by_the_cap_earns_zero_from_every_reward():
+    s = Scorer(["minirl.rewards:count", "minirl.rewards:gsm8k_flexible"], [1.0, 0.5])
+    total, parts = s(["3", "3", "2"], ["3", "3", "3"], [False, True, False])
+    assert total == [1.5, 0.0, 0.0] and parts == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_gsm8k_strict_reads_only_the_number_after_the_last_marker():
+    assert gsm8k("so 40 + 2 = 42\n#### 42", "42") == 1.0
+    assert gsm8k("#### $1,000.", "1000") == 1.0 and gsm8k("#### 42.0", "42") == 1.0
+    assert gsm8k("#### 41 wait\n#### 42", "42") == 1.0 and gsm8k("#### 42\n#### 41", "42") == 0.0
+    assert gsm8k("the answer is 42", "42") == 0.0  # no marker: strict gives nothing (verl's strict mode)
+    assert gsm8k("#### forty-two", "42") == 0.0
+
+
+def test_gsm8k_flexible_takes_the_last_number():
+    assert gsm8k_flexible("the answer is 42", "42") == 1.0
+    assert gsm8k_flexible("42, or maybe 41", "42") == 0.0
+    assert gsm8k_flexible("1,000 apples.", "1000") == 1.0 and gsm8k_flexible("none", "1") == 0.0
+
+
+def test_text_answers_compare_as_normalised_text():
+    assert gsm8k("so it is\n#### Paris.", "paris") == 1.0
+    assert gsm8k("#### New  York", "new york") == 1.0 and gsm8k("#### Paris Texas", "paris") == 0.0
+    assert gsm8k_flexible("The capital is PARIS!", "Paris") == 1.0
+    assert gsm8k_flexible("Paris? no, Lyon", "Paris") == 0.0
+
+
+def test_answer_format_picks_the_jsonl_tasks_built_in(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": f"#### {i}"}) for i in range(10)))
+    strict = make_task(TaskConfig(name="jsonl", path=str(f)), 0)
+    flexible = make_task(TaskConfig(name="jsonl", path=str(f), answer_format="flexible"), 0)
+    assert strict.scorer(["it is 3"], ["3"], [False])[0] == [0.0]
+    assert flexible.scorer(["it is 3"], ["3"], [False])[0] == [1.0]
+    assert make_task(TaskConfig(), 0).scorer.specs == ["minirl.rewards:count"]
+
+
+@pytest.fixture
+def plug(tmp_path, monkeypatch):
+    (tmp_path / "myrewards.py").write_text(
+        "def ends_cleanly(completion, answer):\n    return float(completion.strip().isdigit())\n"
+        "def boom(completion, answer):\n    raise KeyError('x')\n"
+        "NOT_A_FUNCTION = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("myrewards", None)
+
+
+def test_plugged_in_rewards_are_weighted_and_each_has_its_own_mean(plug):
+    s = rewards.scorer(TaskConfig(reward=["minirl.rewards:count", "myrewards:ends_cleanly"], reward_weights=[1.0, 0.2]))
+    assert s.names == ["count", "ends_cleanly"]
+    total, parts = s(["3", "4", "x"], ["3", "3", "3"], [False] * 3)
+    assert total == pytest.approx([1.2, 0.2, 0.0]) and parts == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("cfg, says", [
+    (TaskConfig(reward=["myrewards"]), "give module:function"),
+    (TaskConfig(reward=["nosuchmodule_xyz:f"]), "cannot import nosuchmodule_xyz"),
+    (TaskConfig(reward=["myrewards:missing"]), "has no missing"),
+    (TaskConfig(reward=["myrewards:NOT_A_FUNCTION"]), "is not a function"),
+    (TaskConfig(reward=["myrewards:ends_cleanly"], reward_weights=[1.0, 2.0]), "2 value(s) for 1 reward function"),
+    (TaskConfig(reward=["myrewards:ends_cleanly"], reward_weights=[float("nan")]), "must be finite"),
+])
+def test_a_bad_reward_flag_is_refused_naming_it(plug, cfg, says):
+    with pytest.raises(ConfigError, match="--task.reward") as e:
+        rewards.scorer(cfg)
+    assert says in str(e.value)
+
+
+def test_a_reward_function_that_fails_names_itself_and_the_completion(plug):
+    s = rewards.scorer(TaskConfig(reward=["myrewards:boom"]))
+    with pytest.raises(RuntimeError, match="myrewards:boom failed on the completion '7'"):
+        s(["7"], ["7"], [False])
