@@ -30,7 +30,7 @@ from typing import Callable
 from minirl.config import ConfigError
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_STRICT = re.compile(r"####\s*(\S[^\n]*)")
+_STRICT = re.compile(r"####[ \t]*(\S[^\n]*)")  # the answer on the marker's own line
 
 
 def count(completion: str, answer: str) -> float:

@@ -137,7 +137,8 @@ class JsonlTask:
 
     @staticmethod
     def _reference(answer: str) -> str:
-        return answer.split("####")[-1].strip().replace(",", "")
+        ref = answer.split("####")[-1].strip()
+        return ref.replace(",", "") if rewards.is_number(ref) else ref  # "1,000" -> "1000"; "Paris, TX" stays
 
     def train_problem(self, index: int) -> Problem:
         return self.rows[index % len(self.rows)]

@@ -30,6 +30,7 @@ def test_gsm8k_strict_reads_only_the_number_after_the_last_marker():
     assert gsm8k("#### 41 wait\n#### 42", "42") == 1.0 and gsm8k("#### 42\n#### 41", "42") == 0.0
     assert gsm8k("the answer is 42", "42") == 0.0  # no marker: strict gives nothing (verl's strict mode)
     assert gsm8k("#### forty-two", "42") == 0.0
+    assert gsm8k("####\n42", "42") == 0.0  # the answer is on the marker's line, not the next
 
 
 def test_gsm8k_flexible_takes_the_last_number():
@@ -43,6 +44,15 @@ def test_text_answers_compare_as_normalised_text():
     assert gsm8k("#### New  York", "new york") == 1.0 and gsm8k("#### Paris Texas", "paris") == 0.0
     assert gsm8k_flexible("The capital is PARIS!", "Paris") == 1.0
     assert gsm8k_flexible("Paris? no, Lyon", "Paris") == 0.0
+
+
+def test_a_jsonl_text_reference_keeps_its_commas_and_a_number_loses_them(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": a})
+                           for i, a in enumerate(["#### Paris, Texas", "#### 1,000"] * 5)))
+    t = make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0)
+    assert {p.answer for p in t.rows} == {"Paris, Texas", "1000"}
+    assert t.scorer(["so: #### paris, texas.", "#### 1,000"], ["Paris, Texas", "1000"], [False, False])[0] == [1.0, 1.0]
 
 
 def test_answer_format_picks_the_jsonl_tasks_built_in(tmp_path):
