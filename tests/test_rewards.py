@@ -101,3 +101,16 @@ def test_a_reward_function_that_fails_names_itself_and_the_completion(plug):
     s = rewards.scorer(TaskConfig(reward=["myrewards:boom"]))
     with pytest.raises(RuntimeError, match="myrewards:boom failed on the completion '7'"):
         s(["7"], ["7"], [False])
+
+
+def test_the_format_reward_in_forking_md_plugs_in_as_written(tmp_path, monkeypatch):
+    from conftest import ROOT
+    doc = open(f"{ROOT}/docs/forking.md").read()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]  # the first example: myrewards.py
+    (tmp_path / "myrewards_doc.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = rewards.scorer(TaskConfig(name="jsonl", reward=["minirl.rewards:gsm8k", "myrewards_doc:ends_cleanly"],
+                                  reward_weights=[1.0, 0.2]))
+    total, parts = s(["so 6 * 7\n#### 42", "#### 42 and I could go on", "#### 41"], ["42"] * 3, [False] * 3)
+    assert parts == [[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]] and total == pytest.approx([1.2, 1.0, 0.2])
+    sys.modules.pop("myrewards_doc", None)
