@@ -107,3 +107,12 @@ def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
     with pytest.raises(ConfigError, match=r"metrics\.jsonl: not UTF-8 text .* move it aside"):
         RunLog(str(tmp_path), enabled=True, start_step=1)
+
+
+def test_each_reward_function_is_logged_as_its_own_mean():
+    import torch
+    from minirl.logger import sample_metrics
+    r = sample_metrics(torch.tensor([1.2, 0.2, 0.0, 1.0]), 2, [2, 2, 8, 2], [False, False, True, False],
+                       {"gsm8k": [1.0, 0.0, 0.0, 1.0], "ends_cleanly": [1.0, 1.0, 0.0, 0.0]})
+    assert r["reward/gsm8k"] == 0.5 and r["reward/ends_cleanly"] == 0.5 and r["reward_mean"] == pytest.approx(0.6)
+    assert r["completion_clip_ratio"] == 0.25
