@@ -3,9 +3,10 @@
 # completed groups while the rest of the step is still generating.
 # Expect: `train_pump: step S chunk K` lines, several per step when generation is the bottleneck, and
 # `closing on K chunk(s)`; held-out greedy accuracy, scored strictly (exactly the count, then the end),
-# from about 0.23 to >= 0.7 within 150-300 steps (seen: 0.23, 0.5 at step 25, 0.87 at 150, 0.91 from 325
-# on); no completion runs to the cap. All 800 steps take 4-6 minutes on 2 cores. The warm start is the
-# one tuned for the GRPO demo (recipes/cpu_grpo.sh says why); the flags are as before.
+# from about 0.23 to >= 0.7 within 150-300 steps (two runs: 0.23, 0.5 at step 25, 0.84-0.87 at 150, 0.91
+# from 425 on); no completion runs to the cap. All 800 steps take 2-3 minutes on 2 cores (2 min 22 s in a
+# fresh clone). The warm start is the one tuned for the GRPO demo (recipes/cpu_grpo.sh says why); the
+# flags are as before.
 # With --async-rl.sampler.max-lookahead-versions 1 a group may come from the policy one version
 # back; --ppo.use-rollout-logprobs-for-loss takes pi_old from the engine that sampled it, which on
 # CPU in float32 matches the trainer to 1e-6 (logprob_gap), so the ratio corrects that staleness
