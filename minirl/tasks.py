@@ -151,9 +151,9 @@ def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by
     From random init the count task's reward is too sparse for RL on 2 cores (accuracy stayed near
     0.01 for 10 minutes). The rough labels teach the answer format (a number, then EOS) and a count
     that is only about right: the greedy answer is exact on about a quarter of the held-out prompts,
-    and the exact count holds about 0.2 of the probability for every count up to 7. So sampling finds
-    the right answer often enough for RL to learn from, and making it exact is the RL phase's work (the
-    built-in model's role is an instruct model that is mediocre at the task). A start on exact labels
+    and the exact count holds about 0.2 of the probability at counts 1-6 (0.1 at 7). So sampling
+    finds the right answer often enough for RL to learn from, and making it exact is the RL phase's
+    work (the built-in model's role is an instruct model that is mediocre at the task). A start on exact labels
     stopped early instead (8 steps) left counts of 5 and more at probability 0.02: GRPO's groups almost
     never sampled them, and the strict demo plateaued at 0.82, answering 4 to every count above 4.
     """
@@ -203,10 +203,10 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
         out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
         texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
         clipped = [f == "length" for f in out.finish_reasons]
-        rewards, parts = task.scorer(texts, [p.answer for p in share], clipped)
+        scores, parts = task.scorer(texts, [p.answer for p in share], clipped)
         hits = sum(parts[0])
         rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c}
-                for p, t, r, c in zip(share, texts, rewards, clipped)]
+                for p, t, r, c in zip(share, texts, scores, clipped)]
     tot = torch.tensor([float(hits), float(len(share))])
     if world > 1:
         dist.all_reduce(tot)

@@ -6,7 +6,7 @@
 # from step 300 on (counts 0-5 right, 6 and 7 not yet); no completion runs to the cap. All 800 steps take
 # 2-4 minutes on 2 cores. Curve: python -m minirl.plot runs/cpu_grpo; completions: runs/cpu_grpo/samples.jsonl.
 # Tuned for the strict reward: the built-in model's warm start (tasks.warm_start: 120 steps on counts off
-# by up to 2, so the exact count holds about 0.2 of the probability at every count), not these flags. With
+# by up to 2, so the exact count holds about 0.2 of the probability at counts 1-6), not these flags. With
 # the old start (8 steps on exact counts) counts of 5+ sat at probability 0.02, groups of 8 almost never
 # sampled them, and the run plateaued at 0.82 answering 4 to all of them; a larger group (16) or lr (3e-4)
 # did not move that plateau.
