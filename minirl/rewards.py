@@ -11,8 +11,8 @@ names one, imported by name when the flags are checked; repeat the flag for seve
 Both compare a reference that is not a number as text, normalised (case, spaces, end punctuation).
 
 One rule holds on top of every function: a completion the token cap cut (finish reason "length")
-never ended, so it earns 0. Without that rule the built-in task was won by writing the count and
-padding every completion to the cap.
+never ended, so it earns 0. Before it, under a reward that read the first number, the built-in
+task was won by writing the count and padding every completion to the cap.
 
 `Scorer` applies the functions, their weights and the rule to a batch. It keeps each function's own
 values (their means are `reward/<name>` in the metrics), as TRL's `reward_funcs`/`reward_weights` and
