@@ -45,6 +45,7 @@ class EvalArgs:
 
 def main(argv: list[str] | None = None) -> float:
     from minirl import dist, launch, models
+    from minirl.logger import sample_line
     from minirl.rollout import Engine, check_model
     from minirl.tasks import held_out, make_task
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -69,9 +70,7 @@ def main(argv: list[str] | None = None) -> float:
         finally:
             engine.close()
     for row in scored["eval_samples"][:args.samples]:
-        cut = ", cut at --rollout.max-tokens" if row["clipped"] else ""
-        print(f"  sample: {row['prompt']!r} -> {row['completion']!r} (answer {row['answer']!r}, "
-              f"reward {row['reward']:.3g}{cut})")
+        print(sample_line(row))
     accuracy = scored["eval_accuracy"]
     print(f"eval_accuracy {accuracy:.4f} on {len(task.eval_set)} prompts", flush=True)
     return accuracy

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             # ---- score and advantages ----
             texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
-            clipped = [f == "length" for f in samples.finish_reasons]  # cut by the cap: 0 from every reward
+            clipped = samples.clipped
             rewards, parts = task.scorer(texts, [problems[pid].answer for pid in samples.prompt_ids], clipped)
             rewards = torch.tensor(rewards)                                         # (B_r,)
             if dist.fault_due("nan_rewards", step, onward=True):  # tests: a run that can no longer learn

@@ -112,9 +112,7 @@ class RunLog:
         first = self._evals * self.shown % len(rows)  # each eval shows the next few prompts of the set
         self._evals += 1
         for row in (rows[first:] + rows[:first])[:self.shown]:
-            cut = ", cut at --rollout.max-tokens" if row.get("clipped") else ""
-            print(f"  sample (version {where['eval_version']}): {row['prompt']!r} -> {row['completion']!r} "
-                  f"(answer {row['answer']!r}, reward {row['reward']:.3g}{cut})", flush=True)
+            print(sample_line(row, f"version {where['eval_version']}"), flush=True)
 
     def info(self, msg: str) -> None:
         """minirl's own lines go to stdout with the step lines; errors alone go to stderr."""
@@ -129,6 +127,13 @@ class RunLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def sample_line(row: dict, where: str = "") -> str:
+    """One held-out row for the console: `  sample (<where>): 'prompt' -> 'completion' (answer, reward)`."""
+    cut = ", cut at --rollout.max-tokens" if row.get("clipped") else ""
+    return (f"  sample{f' ({where})' if where else ''}: {row['prompt']!r} -> {row['completion']!r} "
+            f"(answer {row['answer']!r}, reward {row['reward']:.3g}{cut})")
 
 
 def _history(path: str, start_step: int):

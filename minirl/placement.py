@@ -173,12 +173,13 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
     try:
         group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))
-        limit, every, scored = args.rollout.max_prompt_tokens, args.log.eval_every, set()
+        limit, every, posted = args.rollout.max_prompt_tokens, args.log.eval_every, set()
 
         def evaluate(version: int, due: bool = False) -> None:  # global rank 0 scores the run's eval versions
-            if roles.global_rank == 0 and every and (due or version % every == 0) and version not in scored:
-                put(store, f"eval/{version}", json.dumps(held_out(engine, task, tok, limit)).encode())  # never unpickled
-                scored.add(version)
+            if roles.global_rank == 0 and every and (due or version % every == 0) and version not in posted:
+                scored = json.dumps(held_out(engine, task, tok, limit)).encode()  # JSON: never unpickled
+                put(store, f"eval/{version}", scored)
+                posted.add(version)
 
         if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
             return
@@ -410,8 +411,7 @@ def _generate(engine: Engine, task, tok, indices: list[int], step: int, args: PP
     prompts = [encode_prompt(tok, q.prompt, args.rollout.max_prompt_tokens) for q in problems]
     s = engine.generate(prompts, pids, G)
     texts = tok.batch_decode(s.completion_tokens, skip_special_tokens=True)
-    clipped = [f == "length" for f in s.finish_reasons]  # cut by the cap: 0 from every reward
-    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(G)], clipped)
+    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(G)], s.clipped)
     for j, i in enumerate(indices):
         rows = slice(j * G, (j + 1) * G)
         yield i, _group(s, rows, rewards[rows], [p[rows] for p in parts], version)
@@ -427,5 +427,5 @@ def _group(s: Samples, rows: slice, rewards: list[float], parts: list[list[float
             "logprobs": torch.tensor(pad(s.logprobs[rows], 0.0)),
             "rewards": torch.tensor(rewards, dtype=torch.float32),
             "reward_parts": torch.tensor(parts, dtype=torch.float32),  # (functions, G): reward/<name>
-            "clipped": torch.tensor([f == "length" for f in s.finish_reasons[rows]]),
+            "clipped": torch.tensor(s.clipped[rows]),
             "version": torch.tensor(version)}

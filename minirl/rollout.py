@@ -119,6 +119,11 @@ class Samples:
     logprobs: list[list[float]]          # (B, completion len) engine logprob of each sampled token
     finish_reasons: list[str]            # (B,) "stop" or "length"
 
+    @property
+    def clipped(self) -> list[bool]:
+        """(B,) cut by --rollout.max-tokens (finish reason "length"): every reward gives such a row 0."""
+        return [f == "length" for f in self.finish_reasons]
+
 
 @dataclass
 class Engine:

@@ -202,11 +202,10 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
         prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
         out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
         texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-        clipped = [f == "length" for f in out.finish_reasons]
-        scores, parts = task.scorer(texts, [p.answer for p in share], clipped)
+        scores, parts = task.scorer(texts, [p.answer for p in share], out.clipped)
         hits = sum(parts[0])
         rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c}
-                for p, t, r, c in zip(share, texts, scores, clipped)]
+                for p, t, r, c in zip(share, texts, scores, out.clipped)]
     tot = torch.tensor([float(hits), float(len(share))])
     if world > 1:
         dist.all_reduce(tot)
