@@ -208,7 +208,13 @@ class ValueModel(nn.Module):
 def value_head(hidden: torch.Tensor, score: nn.Linear) -> torch.Tensor:
     """(B, T, H) -> (B, T) float32, computed in float32 (the head is one row: the cast is cheap), where
     a bf16 result would round each value to 8 bits of mantissa."""
-    return nn.functional.linear(hidden.float(), score.weight.float(), score.bias.float()).squeeze(-1)
+    return nn.functional.linear(*(wide(t) for t in (hidden, score.weight, score.bias))).squeeze(-1)
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 at least: a compute-dtype (bf16) tensor is cast up, a float64 one (the tests' exact
+    references) stays as it is."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def load_value(path: str) -> ValueModel:
@@ -361,7 +367,7 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
     path for models whose logits are post-processed after `lm_head`)."""
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
-    logits = model(input_ids=ids, position_ids=lay.positions if lay else None).logits.float()
+    logits = wide(model(input_ids=ids, position_ids=lay.positions if lay else None).logits)
     logsm = torch.log_softmax(logits[:, :-1], dim=-1)                   # (., T-1, V)
     lp = _before(nn.functional.pad(logsm.gather(-1, ids[:, 1:, None]).squeeze(-1), (0, 1)), lay)
     if not entropy:
@@ -436,7 +442,7 @@ class _ChosenLogprobs(nn.Module):
 def _piece_logprobs(h, w, b, y):
     logits = _FloatLogits.apply(h, w)                                   # (n, V) float32
     if b is not None:
-        logits = logits + b.float()
+        logits = logits + wide(b)
     lse = logits.logsumexp(-1)                                          # (n,)
     lp = logits.gather(-1, y[:, None]).squeeze(-1) - lse                # (n,)
     with torch.no_grad():
@@ -454,14 +460,14 @@ class _FloatLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, w)
-        if h.dtype == torch.float32:
+        if h.dtype in (torch.float32, torch.float64):
             return h @ w.t()
         if h.device.type == "cuda":
             try:
                 return torch.mm(h, w.t(), out_dtype=torch.float32)
             except NotImplementedError:  # a torch without the CUDA kernel: cast, as on the host
                 pass
-        return h.float() @ w.float().t()
+        return wide(h) @ wide(w).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

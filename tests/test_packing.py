@@ -149,21 +149,25 @@ def test_packed_grpo_step_equals_the_padded_step(tiny_path, world):
 
 
 def test_packed_ppo_step_equals_the_padded_step(tiny_path, world):
-    """The streamed PPO pump: frozen old values, policy chunks and critic epochs, packed and padded."""
+    """The streamed PPO pump: frozen old values, policy chunks and critic epochs, packed and padded, in
+    float64. Packed and padded attention sum over different shapes; in float32 the gradients' sums of
+    up to n ~ 10^4 terms may part by gamma_n = n 2^-24 of their size (a 1e-6 tolerance failed on other
+    machines at 2e-6). In float64 that bound is ~1e-12, so the step must agree to 1e-9 everywhere."""
     from minirl.accumulator import Accumulator
     from minirl.stream import PumpConfig, TrainPump
 
     def chunk(seed, lengths):
         ids, mask, n = skewed_batch(lengths=lengths, seed=seed)
+        mask = mask.double()
         rewards = torch.zeros_like(mask)
-        rewards[torch.arange(len(lengths)), n - 1] = torch.tensor([1.0, 0.0] * (len(lengths) // 2))
+        rewards[torch.arange(len(lengths)), n - 1] = torch.tensor([1.0, 0.0] * (len(lengths) // 2), dtype=torch.float64)
         mask[:, :3] = 0  # three prompt tokens
         return {"input_ids": ids, "mask": mask, "rewards": rewards, "lengths": n, "groups": len(lengths) // 2}
 
-    value = models.load_value(tiny_path)
+    value = models.load_value(tiny_path).double()
     with torch.no_grad():
         value.score.weight.copy_(0.1 * torch.randn(value.score.weight.shape, generator=torch.Generator().manual_seed(0)))
-    policy = models.load_policy(tiny_path)
+    policy = models.load_policy(tiny_path).double()
     out = []
     for pack in (False, True):
         p, v = copy.deepcopy(policy), copy.deepcopy(value)
@@ -177,4 +181,5 @@ def test_packed_ppo_step_equals_the_padded_step(tiny_path, world):
         out.append([*p.parameters(), *v.parameters()])
     start = [*policy.parameters(), *value.parameters()]
     assert max((a - b).abs().max().item() for a, b in zip(out[0], start)) > 1e-3  # both models moved
-    close(*out)
+    assert all(a.dtype == torch.float64 for a in out[1])
+    close(*out, tol=1e-9)
