@@ -183,14 +183,18 @@ def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], c
             "completion_len_min": -far[1], "completion_len_max": far[0], "completion_clip_ratio": cut / n}
 
 
-def memory_peak_gib(device: torch.device) -> float:
-    """The largest memory any rank held since the last call: the card's allocated peak (reset
-    here), or on CPU the process's resident high-water mark (never reset)."""
+def memory_peak_gib(device: torch.device, over_ranks: bool = True) -> float:
+    """The largest memory held since the last call: the card's allocated peak (reset here), or on CPU
+    the process's resident high-water mark (never reset). `over_ranks`: the max over the default
+    group's ranks (a collective); a rollout rank passes False, since its default group is vLLM's
+    world (NCCL on CUDA) and nothing of minirl's may run a collective there."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if not over_ranks:
+        return peak
     return dist.all_reduce(torch.tensor([peak], dtype=torch.float64), "max").item()
 
 

@@ -197,7 +197,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
                     return  # the trainer stopped: --log.target-eval-accuracy, SIGTERM, a failure
                 for i, g in _generate(engine, task, tok, mine[first:first + k], step, args, version):
                     put(store, f"group/{step}/{i}", st_save(g))
-                peak = max(peak, memory_peak_gib(roles.devices.engine))  # the trainer logs the max over ranks
+                peak = max(peak, memory_peak_gib(roles.devices.engine, over_ranks=False))  # the trainer takes the max
                 store.set(f"memory/{roles.global_rank}", str(peak))
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:

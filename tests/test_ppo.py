@@ -215,7 +215,11 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
 
 @e2e
 def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
-    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",
+    """Also the guard of the rollout rank's device rule: its engine's default group is made to report
+    NCCL, as vLLM's CUDA worker leaves it, and refuses every collective (tests/dist/ppo_on_nccl_rollout.py),
+    so a collective minirl runs on a rollout rank (sampling, evals, memory, refits, the stop) fails it."""
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "tests/dist/ppo_on_nccl_rollout.py",
              "--steps", "3", "--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4",
              "--async-rl.min-groups-for-streaming-train", "2", "--async-rl.rollout-groups-per-call", "2",
              "--async-rl.sampler.max-lookahead-versions", "0", "--ppo.critic-ppo-epochs", "2",
