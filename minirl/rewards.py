@@ -5,10 +5,14 @@ A reward function is `f(completion: str, answer: str) -> float`: the completion 
 names one, imported by name when the flags are checked; repeat the flag for several, weighted by
 `--task.reward-weights` (default 1 each). With none given, the task's own is used:
 - `count`: the built-in task; exactly the count, nothing else.
-- `gsm8k`: a JSONL task's default, `--task.answer-format strict`, verl's strict mode. The number after
-  the last `#### ` must equal the reference.
-- `gsm8k_flexible`: `--task.answer-format flexible`, verl's flexible mode: the last number anywhere.
-Both compare a reference that is not a number as text, normalised (case, spaces, end punctuation).
+- `gsm8k`: a JSONL task's default, `--task.answer-format strict`: for a numeric reference exactly verl's
+  strict GSM8K score (verl/utils/reward_score/gsm8k.py): in the completion's last 300 characters, the
+  last `#### ` followed by digits, `.`, `,` (and a leading `-`), commas dropped, equal to the reference
+  as a string. So `#### 42.0` and `####42` score 0, as in verl, and numbers are comparable with its.
+- `gsm8k_flexible`: `--task.answer-format flexible`, after verl's flexible mode: the last number anywhere,
+  compared as a number (verl compares the string, commas and all).
+Both compare a reference that is not a number as text, normalised (case, spaces, end punctuation), after
+the last `####` on its line for `gsm8k`.
 
 One rule holds on top of every function: a completion the token cap cut (finish reason "length")
 never ended, so it earns 0. Before it, under a reward that read the first number, the built-in
@@ -30,7 +34,9 @@ from typing import Callable
 from minirl.config import ConfigError
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_STRICT = re.compile(r"####[ \t]*(\S[^\n]*)")  # the answer on the marker's own line
+_STRICT = re.compile(r"####[ \t]*(\S[^\n]*)")  # a text answer on the marker's own line
+_VERL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # verl's strict pattern, read in the last VERL_TAIL characters
+VERL_TAIL = 300
 
 
 def count(completion: str, answer: str) -> float:
@@ -39,15 +45,12 @@ def count(completion: str, answer: str) -> float:
 
 
 def gsm8k(completion: str, answer: str) -> float:
-    """Strict `#### N`: what follows the last `####` on its line is the answer."""
-    found = _STRICT.findall(completion)
-    if not found:
-        return 0.0
-    final = found[-1]
+    """Strict `#### N`: verl's strict score for a numeric reference; a text one after the last `####`."""
     if is_number(answer):
-        m = _NUM.match(final.replace("$", "").strip())
-        return float(m is not None and same_number(m.group(), answer))
-    return float(normalise(final) == normalise(answer))
+        found = _VERL_STRICT.findall(completion[-VERL_TAIL:])
+        return float(bool(found) and found[-1].replace(",", "").replace("$", "") == answer)
+    found = _STRICT.findall(completion)
+    return float(bool(found) and normalise(found[-1]) == normalise(answer))
 
 
 def gsm8k_flexible(completion: str, answer: str) -> float:

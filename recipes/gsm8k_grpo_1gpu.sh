@@ -3,9 +3,9 @@
 # takes the card, then the new weights go back to the engine (docs/guide-batching.md).
 #   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --out data/gsm8k
 #   bash recipes/gsm8k_grpo_1gpu.sh
-# Expect (reference, not measured by minirl): held-out greedy accuracy rising from about 0.5 (the
-# instruct model's GSM8K score) by several points within a few hundred steps, as peers report for
-# GRPO on this model. Not yet run on a GPU by the minirl authors: watch the first steps' memory;
+# Expect: read the step-0 eval_accuracy (greedy, all 1319 test problems, verl's strict `#### N` score) as
+# this model's baseline under this scorer; peers report GRPO adding several points on this model within a
+# few hundred steps (their numbers, not minirl's). Not yet run on a GPU by the minirl authors: watch the first steps' memory;
 # if a step runs out of memory, halve --rl.micro-batch-per-replica (docs/guide-batching.md).
 # Add --dry-run to print each rank's devices and memory estimate without touching a GPU.
 set -euo pipefail
@@ -13,7 +13,7 @@ exec python -m minirl.grpo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \
   --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k/train.jsonl \
-  --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 \
+  --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 1319 \
   --steps 300 \
   --rl.group-size 8 \
   --rl.batch-per-replica 256 \

@@ -13,8 +13,9 @@
 #   --rollout.gpu-memory-utilization 0.85.
 # The same schedule as the 0.5B recipe (recipes/gsm8k_ppo_8gpu.sh, which says how it compares with
 # verl's): 252 prompts x 1 sample a step, 256 response tokens, actor lr 1e-6, critic lr 1e-5, KL 0.001.
-# Expect (reference, not measured by minirl): Qwen2.5-7B-Instruct starts near 0.9 greedy on GSM8K
-# test. Not yet run on GPUs by the minirl authors.
+# Expect: read the step-0 eval_accuracy (greedy, all 1319 test problems, verl's strict `#### N` score) as
+# this model's baseline under this scorer (published figures near 0.9 use their own prompts and scorers).
+# Not yet run on GPUs by the minirl authors.
 # `bash recipes/gsm8k_ppo_7b_8gpu.sh --dry-run --rehearse` runs the train step on fake CUDA tensors on
 # a CPU (a config.json is enough) and prints its peak per card beside the plan.
 set -euo pipefail
@@ -22,7 +23,7 @@ exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --model.path Qwen/Qwen2.5-7B-Instruct \
   --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k_7b/train.jsonl \
-  --task.eval-path data/gsm8k_7b/test.jsonl --task.eval-prompts 512 \
+  --task.eval-path data/gsm8k_7b/test.jsonl --task.eval-prompts 1319 \
   --grid.gpu-placement disaggregated --grid.rollout-ranks 2 \
   --steps 435 \
   --ppo.num-prompts-per-step 252 \

@@ -4,12 +4,12 @@
 # rest of each step is still generating.
 #   pip install -e '.[cuda,gsm8k]' && python recipes/prepare_gsm8k.py --out data/gsm8k
 #   bash recipes/gsm8k_ppo_8gpu.sh
-# Expect (reference, not measured by minirl): verl's baseline table (docs/algo/baseline.md) lists
-# Qwen2.5-0.5B-Instruct at 36.4 on GSM8K test as the checkpoint (a number it takes from the Qwen blog,
-# not its own eval) and 56.7 after PPO, scored by verl's gsm8k reward: strict, the number after "####"
-# (reward_score/gsm8k.py, method="strict"). minirl's reward and eval_accuracy here are the same strict
-# `#### N` (--task.answer-format strict, the default; a completion cut at --rollout.max-tokens earns 0,
-# which verl does not do), greedy, on the first 512 of the 1319 test problems.
+# Expect: read the step-0 eval_accuracy as this model's baseline. It is greedy on all 1319 test problems,
+# scored as verl's gsm8k reward scores them (reward_score/gsm8k.py, method="strict": the last "#### N" in
+# the last 300 characters, compared as a string; --task.answer-format strict, the default), except that a
+# completion cut at --rollout.max-tokens earns 0, which verl does not do. For reference only: verl's
+# baseline table (docs/algo/baseline.md) lists Qwen2.5-0.5B-Instruct at 36.4 (a number it takes from the
+# Qwen blog, not its own eval) and 56.7 after its PPO run.
 # Against verl's quickstart PPO run on this model (as we read it: 256 prompts x 1 sample per step,
 # 256 response tokens, actor lr 1e-6, critic lr 1e-5, mini-batches of 64, KL 0.001, 15 epochs):
 # - the same learning rates, response length, samples per prompt and about 15 epochs (435 steps);
@@ -27,7 +27,7 @@ exec torchrun --nproc-per-node 8 -m minirl.ppo \
   --model.path Qwen/Qwen2.5-0.5B-Instruct \
   --model.dtype bfloat16 --model.activation-checkpointing \
   --task.name jsonl --task.path data/gsm8k/train.jsonl \
-  --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 \
+  --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 1319 \
   --grid.gpu-placement disaggregated --grid.rollout-ranks 2 \
   --steps 435 \
   --ppo.num-prompts-per-step 252 \

@@ -16,20 +16,21 @@ from minirl.config_ppo import PPOArgs
 from test_recipes import RECIPES, flags
 
 MODELS = os.path.join(ROOT, "tests", "data", "models")
-LINE = re.compile(r"rank (\d+): role=(rollout|train|both) trainer=(\S+) engine=(\S+) params=(\w+) compute=(\w+) \| "
-                  r"(.*) \| (.*)")
+LINE = re.compile(r"rank (\d+): (?:node=\d+ )?role=(rollout|train|both) trainer=(\S+) engine=(\S+) params=(\w+) "
+                  r"compute=(\w+) \| (.*) \| (.*)")
 GPU_RECIPES = [r for r in RECIPES if "gsm8k" in os.path.basename(r)]
 
 
 def recipe_args(path, tmp_path):
-    module, nproc, argv = flags(path)
+    module, nproc, argv, nnodes = flags(path)
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "q", "answer": "1"}\n' * 10)
     argv = [str(data) if a.endswith(".jsonl") else a for a in argv]
     i = argv.index("--model.path")
     argv[i + 1] = os.path.join(MODELS, os.path.basename(argv[i + 1]))  # Qwen/X -> tests/data/models/X
     cls = {"minirl.grpo": GRPOArgs, "minirl.ppo": PPOArgs}[module]
-    args = tyro.cli(cls, args=argv + ["--dry-run", "--dry-run-world-size", str(nproc), "--dry-run-device", "cuda"])
+    args = tyro.cli(cls, args=argv + ["--dry-run", "--dry-run-world-size", str(nproc), "--dry-run-nnodes", str(nnodes),
+                                      "--dry-run-device", "cuda"])
     return args, nproc
 
 
@@ -40,8 +41,9 @@ def test_every_gpu_recipe_plans_its_devices_and_fits_an_80_gib_card(path, tmp_pa
     ranks = [LINE.fullmatch(line) for line in lines if line.startswith("rank ")]
     assert len(ranks) == nproc and all(ranks), lines
     assert "unknown" not in "\n".join(lines)
-    engines = [m.group(4) for m in ranks if m.group(4) != "-"]
-    trainers = [m.group(3) for m in ranks if m.group(3) != "-"]
+    node = lambda m: int(m.group(1)) // (nproc // args.dry_run_nnodes)  # noqa: E731  (ranks go node by node)
+    engines = [(node(m), m.group(4)) for m in ranks if m.group(4) != "-"]
+    trainers = [(node(m), m.group(3)) for m in ranks if m.group(3) != "-"]
     if isinstance(args, PPOArgs) and args.grid.gpu_placement == "disaggregated":
         assert len(set(engines)) == len(engines) == args.grid.rollout_ranks
         assert not set(engines) & set(trainers)

@@ -1,10 +1,17 @@
-"""Every recipe's flags parse and pass validation at the world size it launches (the GPU recipes
-cannot run here; a typo in them must still fail CI). Data files are swapped for a temp file."""
+"""Every documented launch runs its dry run: each recipe's `exec` line and each command in README.md and
+docs/*.md (code blocks and inline code) that starts minirl.grpo or minirl.ppo, through torchrun, python -m,
+the console scripts or a recipe, is planned (`--dry-run`) at its own world size and node count, on CUDA
+when it names a real model. A documented command that would be refused fails CI here. Data files are
+swapped for a temp file, hub models for their config.json in tests/data/models (the plan must then fit
+80 GiB cards), a `--config` a run writes for that command's defaults; `...` stands for "more flags" and is
+dropped, and a `<placeholder>` is refused: a documented command says its flags."""
 
 import glob
+import json
 import os
 import re
 import shlex
+import sys
 
 import pytest
 import tyro
@@ -14,20 +21,129 @@ from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.sh")))
+DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+MODELS = os.path.join(ROOT, "tests", "data", "models")
+ARGS = {"minirl.grpo": GRPOArgs, "minirl.ppo": PPOArgs}
+SCRIPTS = {"minirl-grpo": "minirl.grpo", "minirl-ppo": "minirl.ppo"}
 
 
 def flags(path):
+    """A recipe's command: (module, processes in the launch, flags, nodes), `"$@"` left out."""
+    launch = parse(exec_line(path))
+    return launch["module"], launch["nproc"] * launch["nnodes"], launch["argv"], launch["nnodes"]
+
+
+def exec_line(path: str) -> str:
     text = open(path).read()
-    cmd = text[text.index("exec "):].replace("\\\n", " ").split("\n")[0]
-    words = shlex.split(cmd.replace('"$@"', ""))
-    module = words[words.index("-m") + 1]
-    nproc = int(re.search(r"--nproc-per-node[ =](\d+)", cmd).group(1)) if "--nproc-per-node" in cmd else 1
-    return module, nproc, words[words.index("-m") + 2:]
+    return text[text.index("exec "):].replace("\\\n", " ").split("\n")[0]
+
+
+def parse(cmd: str) -> dict | None:
+    """One shell command -> {module, nproc, nnodes, argv}, or None when it starts neither loop."""
+    words = [w for w in shlex.split(cmd.replace('"$@"', ""), comments=True) if w != "..."]
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]) or words[:1] == ["exec"]:
+        words = words[1:]  # VAR=value, exec
+    if not words:
+        return None
+    head = os.path.basename(words[0])
+    if head == "bash" and len(words) > 1 and words[1].startswith("recipes/"):
+        launch = parse(exec_line(os.path.join(ROOT, words[1])))
+        return {**launch, "argv": launch["argv"] + words[2:], "recipe": words[1]}
+    if head in SCRIPTS:
+        return {"module": SCRIPTS[head], "nproc": 1, "nnodes": 1, "argv": words[1:]}
+    if "-m" not in words or words[words.index("-m") + 1] not in ARGS:
+        return None
+    i = words.index("-m")
+    option = lambda name: next((words[k + 1] for k in range(i) if words[k] == name), None)  # noqa: E731
+    return {"module": words[i + 1], "nproc": int(option("--nproc-per-node") or 1),
+            "nnodes": int(option("--nnodes") or 1), "argv": words[i + 2:]}
+
+
+LAUNCH = re.compile(r"\s*([A-Z_]+=\S*\s+)*(exec\s+)?(\S*torchrun|\S*python3?|\$PY|\S*minirl-(grpo|ppo)|bash recipes/)\b")
+
+
+def documented() -> list[tuple[str, str]]:
+    """(where, command) for every minirl.grpo / minirl.ppo launch the docs show."""
+    out = []
+    for path in DOCS:
+        text = open(path).read()
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        inline = re.findall(r"`([^`\n]+(?:\n[^`\n]+)?)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()] + [" ".join(c.split())
+                                                                                      for c in inline]
+        for c in commands:
+            if LAUNCH.match(c) and "--help" not in c and parse(c):
+                out.append((f"{os.path.basename(path)}: {c.strip()[:60]}", c))
+    return out
+
+
+LAUNCHES = [(os.path.basename(p), exec_line(p)) for p in RECIPES] + documented()
+
+
+def doc_modules(tmp_path) -> str:
+    """The docs' Python examples that name their file (a first line `# name.py`), written to a folder
+    that the test puts on sys.path, so a documented `--task.reward name:function` imports as documented."""
+    for path in DOCS:
+        for code in re.findall(r"```python\n(.*?)```", open(path).read(), flags=re.S):
+            name = re.match(r"# (\w+)\.py\b", code)
+            if name:
+                (tmp_path / f"{name.group(1)}.py").write_text(code)
+    return str(tmp_path)
+
+
+def dry_run_argv(launch: dict, tmp_path) -> list[str]:
+    """The command's flags with its files stood in for, and the dry run of its own world."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "q", "answer": "1"}\n' * 10)
+    argv = [str(data) if a.endswith(".jsonl") else a for a in launch["argv"]]
+    assert not [a for a in argv if a.startswith("<")], f"a placeholder in a documented command: {argv}"
+    if "--config" in argv:  # the config.json a run of this command writes
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps(ARGS[launch["module"]]().to_dict()))
+        argv[argv.index("--config") + 1] = str(config)
+    real_model = False
+    if "--model.path" in argv:
+        i = argv.index("--model.path") + 1
+        local = os.path.join(MODELS, os.path.basename(argv[i]))
+        real_model = argv[i] != "tiny"
+        argv[i] = local if os.path.isdir(local) else argv[i]
+    argv = [a for a in argv if a != "--rehearse"]  # the rehearsal has tests of its own (test_rehearse.py)
+    given = {a.split("=")[0] for a in argv}
+    world = launch["nproc"] * launch["nnodes"]
+    extra = ["--dry-run"]
+    if "--dry-run-world-size" not in given:
+        extra += ["--dry-run-world-size", str(world), "--dry-run-nnodes", str(launch["nnodes"])]
+    if "--dry-run-device" not in given:
+        extra += ["--dry-run-device", "cuda" if real_model else "cpu"]
+    return argv + extra + ["--log.run-dir", str(tmp_path / "run")]
+
+
+@pytest.mark.parametrize("where, cmd", LAUNCHES, ids=[w for w, _ in LAUNCHES])
+def test_every_documented_launch_plans_at_its_world_size(where, cmd, tmp_path, monkeypatch):
+    """Each documented command's dry run, in this process: the flags parse and validate for that
+    command's world (torchrun's processes per node times its nodes), and on CUDA every rank fits."""
+    from minirl import plan
+    monkeypatch.syspath_prepend(doc_modules(tmp_path))
+    launch = parse(cmd)
+    args = tyro.cli(ARGS[launch["module"]], args=dry_run_argv(launch, tmp_path))
+    lines = plan.dry_run(args)
+    ranks = [line for line in lines if line.startswith("rank ")]
+    assert len(ranks) == args.dry_run_world_size or (args.dry_run_world_size == 0 and len(ranks) == 1), lines
+    assert not [r for r in ranks if "DOES NOT FIT" in r], lines
+
+
+def test_the_launches_cover_every_recipe_and_the_docs_multi_node_lines():
+    """The extractor finds what it is for: every recipe, the README's GPU commands and the two-node launch."""
+    names = [w for w, _ in LAUNCHES]
+    assert len(RECIPES) >= 5 and all(os.path.basename(r) in names for r in RECIPES)
+    parsed = [parse(c) for _, c in LAUNCHES]
+    assert any(p["nnodes"] == 2 for p in parsed) and any(p["nproc"] == 8 and p["nnodes"] == 1 for p in parsed)
+    assert sum(w.startswith("README.md") for w in names) >= 4
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
 def test_recipe_flags_parse_and_validate(path, tmp_path):
-    module, nproc, argv = flags(path)
+    module, nproc, argv, _ = flags(path)
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "q", "answer": "1"}\n' * 10)
     argv = [str(data) if a.endswith(".jsonl") else a for a in argv]
@@ -40,9 +156,7 @@ def test_recipe_flags_parse_and_validate(path, tmp_path):
 def test_prepare_gsm8k_reads_a_local_copy_without_the_hub(tmp_path, tiny_path):
     """`--from DIR` with GSM8K's own train.jsonl / test.jsonl: no network, no `datasets`; the output is
     a JSONL the task loads, its answers read by the strict `#### N` extraction."""
-    import json
     import subprocess
-    import sys
 
     from minirl.config import TaskConfig
     from minirl.tasks import make_task

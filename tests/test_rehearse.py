@@ -64,7 +64,7 @@ def test_rehearsal_of_streamed_ppo_at_the_0_5b_shape_on_8_ranks_finds_no_device_
     """The 8-GPU PPO recipe's flags (2 rollout ranks, 6 train ranks, chunks of 42 groups) on a step of
     two chunks: value, reference and policy per chunk, the close, the refit's gather and buckets."""
     from test_recipes import flags
-    _, nproc, argv = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"))
+    _, nproc, argv, _ = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"))
     argv = [stand_in if a.endswith(".jsonl") else a for a in argv]
     argv[argv.index("--model.path") + 1] = os.path.join(MODELS, "Qwen2.5-0.5B-Instruct")
     argv[argv.index("--ppo.num-prompts-per-step") + 1] = "84"
@@ -110,7 +110,7 @@ def test_the_7b_ppo_recipe_fits_80_gib_train_cards_with_10_percent_to_spare(tmp_
     rehearsed peak, a checkpoint's and the export's included, is at most 72 GiB of 80, and the plan
     agrees within 25%. (Without activation checkpointing the same step holds 37 GiB of activations.)"""
     from test_recipes import flags
-    _, nproc, argv = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_7b_8gpu.sh"))
+    _, nproc, argv, _ = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_7b_8gpu.sh"))
     argv = [stand_in if a.endswith(".jsonl") else a for a in argv]
     argv[argv.index("--model.path") + 1] = os.path.join(MODELS, "Qwen2.5-7B-Instruct")
     argv[argv.index("--ppo.num-prompts-per-step") + 1] = "84"

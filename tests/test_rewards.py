@@ -26,11 +26,48 @@ def test_a_completion_cut_by_the_cap_earns_zero_from_every_reward():
 
 def test_gsm8k_strict_reads_only_the_number_after_the_last_marker():
     assert gsm8k("so 40 + 2 = 42\n#### 42", "42") == 1.0
-    assert gsm8k("#### $1,000.", "1000") == 1.0 and gsm8k("#### 42.0", "42") == 1.0
+    assert gsm8k("#### 1,000", "1000") == 1.0 and gsm8k("#### 1,000.", "1000") == 0.0  # verl: "1000." != "1000"
+    assert gsm8k("#### $1,000", "1000") == 0.0 and gsm8k("#### 42.0", "42") == 0.0  # and no "$" after the marker
     assert gsm8k("#### 41 wait\n#### 42", "42") == 1.0 and gsm8k("#### 42\n#### 41", "42") == 0.0
     assert gsm8k("the answer is 42", "42") == 0.0  # no marker: strict gives nothing (verl's strict mode)
     assert gsm8k("#### forty-two", "42") == 0.0
     assert gsm8k("####\n42", "42") == 0.0  # the answer is on the marker's line, not the next
+
+
+def verl_strict(solution_str: str, ground_truth: str) -> float:
+    """verl's strict GSM8K score, as verl/utils/reward_score/gsm8k.py (commit b178a3c) computes it:
+    `extract_solution(method="strict")` then `compute_score`'s string comparison."""
+    import re
+    if len(solution_str) > 300:
+        solution_str = solution_str[-300:]
+    solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+    final_answer = solutions[-1].replace(",", "").replace("$", "") if solutions else None
+    return 0.0 if final_answer is None else float(final_answer == ground_truth)
+
+
+VERL_CASES = [  # verl's own examples (its interaction tests and docs) and the ones minirl once scored differently
+    ("#### 42", "42"), ("The answer is #### 42", "42"), ("#### 24", "42"), ("So the answer is 72.\n#### 72", "72"),
+    ("####42", "42"), ("#### $42", "42"), ("#### 42.", "42"), ("#### 42.00", "42"), ("#### 42 apples", "42"),
+    ("#### -3", "-3"), ("#### 1,234,567", "1234567"), ("#### 7 and later #### 8", "8"), ("x" * 400 + "#### 5", "5"),
+    ("#### 5" + "x" * 296, "5"), ("#### 5" + "x" * 295, "5"), ("", "0"), ("#### .", "0"), ("#### 0.5", "0.5")]
+
+
+@pytest.mark.parametrize("completion, answer", VERL_CASES)
+def test_gsm8k_strict_is_verls_strict_score_on_its_cases(completion, answer):
+    assert gsm8k(completion, answer) == verl_strict(completion, answer), (completion[-80:], answer)
+
+
+def test_gsm8k_strict_is_verls_strict_score_on_generated_completions():
+    """20,000 completions made of the pieces the pattern turns on (the marker with and without its space,
+    digits, signs, commas, dots, dollars, words, newlines, long runs that push a marker out of the last
+    300 characters), against numeric references that they hit often."""
+    import random
+    rng = random.Random(0)
+    pieces = ["#### ", "####", "# ", " ", "\n", "-", ",", ".", "$", "answer", "x" * 120, *"0123456789"]
+    for _ in range(20000):
+        answer = rng.choice(["42", "-3", "1000", "0.5", "7", str(rng.randint(0, 99))])
+        text = "".join(rng.choice(pieces + [f"#### {answer}", f"#### {answer}.", answer]) for _ in range(rng.randint(0, 12)))
+        assert gsm8k(text, answer) == verl_strict(text, answer), (text, answer)
 
 
 def test_gsm8k_flexible_takes_the_last_number():
