@@ -80,15 +80,21 @@ def documented() -> list[tuple[str, str]]:
 LAUNCHES = [(os.path.basename(p), exec_line(p)) for p in RECIPES] + documented()
 
 
-def doc_modules(tmp_path) -> str:
-    """The docs' Python examples that name their file (a first line `# name.py`), written to a folder
-    that the test puts on sys.path, so a documented `--task.reward name:function` imports as documented."""
+@pytest.fixture
+def doc_modules(tmp_path, monkeypatch):
+    """The docs' Python examples that name their file (a first line `# name.py`), written to a folder on
+    sys.path, so a documented `--task.reward name:function` imports as documented; gone afterwards."""
+    names = []
     for path in DOCS:
         for code in re.findall(r"```python\n(.*?)```", open(path).read(), flags=re.S):
             name = re.match(r"# (\w+)\.py\b", code)
             if name:
                 (tmp_path / f"{name.group(1)}.py").write_text(code)
-    return str(tmp_path)
+                names.append(name.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 def dry_run_argv(launch: dict, tmp_path) -> list[str]:
@@ -119,11 +125,10 @@ def dry_run_argv(launch: dict, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("where, cmd", LAUNCHES, ids=[w for w, _ in LAUNCHES])
-def test_every_documented_launch_plans_at_its_world_size(where, cmd, tmp_path, monkeypatch):
+def test_every_documented_launch_plans_at_its_world_size(where, cmd, tmp_path, doc_modules):
     """Each documented command's dry run, in this process: the flags parse and validate for that
     command's world (torchrun's processes per node times its nodes), and on CUDA every rank fits."""
     from minirl import plan
-    monkeypatch.syspath_prepend(doc_modules(tmp_path))
     launch = parse(cmd)
     args = tyro.cli(ARGS[launch["module"]], args=dry_run_argv(launch, tmp_path))
     lines = plan.dry_run(args)
