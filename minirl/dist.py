@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from minirl.config import ConfigError
+
 
 @dataclass(frozen=True)
 class World:
@@ -92,8 +94,51 @@ def device_map(global_rank: int, local_rank: int, world_size: int, rollout_ranks
     return Devices(trainer=None, engine=card) if global_rank < rollout_ranks else Devices(trainer=card, engine=None)
 
 
+DRIVER_FLOOR = {"13": 580, "12": 525}  # the oldest driver release each CUDA major version runs on
+
+
 def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """"cuda" where torch can use the GPUs, else "cpu". Where NVIDIA's driver reports GPUs that torch
+    cannot use (a CPU build of torch, or a driver older than torch's CUDA), a ConfigError says which,
+    rather than a run that loads every model on the host and fails only when vLLM (which finds the
+    GPUs through the driver) builds its engine. `CUDA_VISIBLE_DEVICES=` runs on the CPU on purpose."""
+    if torch.cuda.is_available():
+        return "cuda"
+    found = _nvml() if os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1") else None
+    if found:
+        n, driver = found
+        if torch.version.cuda is None:
+            why = (f"this torch ({torch.__version__}) is a CPU build: install minirl with the cuda extra into a "
+                   "fresh venv (pip install -e '.[cuda]'; in a CPU venv the installed +cpu torch satisfies the "
+                   "pin and stays)")
+        else:
+            major = torch.version.cuda.split(".")[0]
+            why = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, which needs driver "
+                   f"{DRIVER_FLOOR.get(major, '?')} or later; update the driver, or install a torch built for the "
+                   "CUDA this driver supports")
+        raise ConfigError(f"this machine's NVIDIA driver {driver} reports {n} GPU(s), but torch cannot use them: "
+                          f"{why}. To run on the CPU on purpose, set CUDA_VISIBLE_DEVICES=")
+    return "cpu"
+
+
+def _nvml() -> tuple[int, str] | None:
+    """(GPUs, driver version) from NVIDIA's management library (what nvidia-smi and vLLM read), or None
+    where it is absent or reports none."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if lib.nvmlInit_v2() != 0:
+        return None
+    try:
+        n, version = ctypes.c_uint(0), ctypes.create_string_buffer(96)
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) != 0 or n.value == 0:
+            return None
+        lib.nvmlSystemGetDriverVersion(version, 96)
+        return n.value, version.value.decode() or "?"
+    finally:
+        lib.nvmlShutdown()
 
 
 def backend_for(device_type: str) -> str:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+from minirl import dist
 
 
 @pytest.mark.dist
@@ -150,3 +151,26 @@ def test_engine_and_export_receive_the_model_dtype_not_the_float32_masters(tiny_
     assert {t.dtype for _, t in dist.full_parameters(policy, torch.bfloat16)} == {torch.bfloat16}
     checkpoint.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16)
     assert safetensors_dtypes(tmp_path / "final" / "model.safetensors") == {"BF16"}
+
+
+@pytest.mark.parametrize("cuda_build, says", [(None, "CPU build"), ("13.0", "needs driver 580 or later")])
+def test_gpus_that_torch_cannot_use_stop_the_launch_with_one_line(monkeypatch, cuda_build, says):
+    """NVIDIA's driver reports GPUs, torch sees none: a CPU torch in the venv, or a driver older than
+    torch's CUDA. One line naming which, instead of a run that trains on the host; CUDA_VISIBLE_DEVICES=
+    (empty) asks for the CPU on purpose, and a machine without the driver is a CPU machine."""
+    from minirl.config import ConfigError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(dist, "_nvml", lambda: (8, "550.54.15"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ConfigError, match=f"driver 550.54.15 reports 8 GPU.*{says}.*CUDA_VISIBLE_DEVICES="):
+        dist.device_type()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert dist.device_type() == "cpu"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(dist, "_nvml", lambda: None)
+    assert dist.device_type() == "cpu"
+
+
+def test_nvml_probe_answers_none_on_a_machine_without_the_driver():
+    assert dist._nvml() is None or torch.cuda.is_available()  # this CPU machine: no libnvidia-ml
