@@ -225,14 +225,20 @@ def private_world(device: torch.device, port: int | None = None):
 
     vLLM reads RANK/WORLD_SIZE/MASTER_PORT when it builds its own groups; giving it a world of
     one on a fresh port keeps it from joining (and hanging on) the ranks that never build an engine.
-    LOCAL_RANK stays the engine's card: vLLM's external-launcher executor takes its device index
+    Its compile cache root is the global rank's own. LOCAL_RANK stays the engine's card: vLLM's
+    external-launcher executor takes its device index
     from LOCAL_RANK (vllm 0.32 `ExecutorWithExternalLauncher._distributed_args`, then
     `gpu_worker.Worker.init_device`: `cuda:{local_rank}`), where the single-process executor
     would always take card 0.
     """
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_USE_AGENT_STORE")
+            "TORCHELASTIC_USE_AGENT_STORE", "VLLM_CACHE_ROOT")
     saved = {k: os.environ.get(k) for k in keys}
+    # Every private engine sees RANK=0, and vLLM names its compile cache folder by that rank
+    # (compilation/backends.py: `rank_{rank}_{dp_rank}`): each rollout rank gets a cache root of its
+    # own, so two engines on a node never write the same files.
+    root = saved["VLLM_CACHE_ROOT"] or os.path.join(os.path.expanduser("~"), ".cache", "vllm")
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, f"minirl-rank{saved['RANK'] or 0}")
     # The world of one is this host's own: its port was found free HERE, so its address is this host's
     # loopback, never MASTER_ADDR (on node 1 of two, that is node 0, where nothing listens on the port).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), LOCAL_WORLD_SIZE="1",

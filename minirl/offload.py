@@ -6,10 +6,13 @@ Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
              -> weight_sync -> trainer.offload -> rollout.wake_up(kv_cache) -> next generate
 
 - `TrainerOffload` moves the trainer's parameters, gradients and optimizer state to host
-  copies (pinned on CUDA) and back, bit-exactly. It works on storages: each tensor's storage
-  is copied to a host buffer and then resized to 0 bytes, so the release is real and
-  observable on CPU too (storage size 0 while offloaded); onload resizes and copies back, so
-  every view (FSDP2's sharded parameters are views into padded storages) sees its data again.
+  copies and back, bit-exactly. It works on storages: each tensor's storage is copied into its
+  slice of ONE host buffer and then resized to 0 bytes, so the release is real and observable on
+  CPU too (storage size 0 while offloaded); onload resizes and copies back, so every view (FSDP2's
+  sharded parameters are views into padded storages) sees its data again. The buffer is made
+  once, at the logical size, and page-locked in place on CUDA (`cudaHostRegister`): one pinned
+  tensor per storage would each be rounded up to a power of two by torch's caching host
+  allocator (about 45 GB per train rank at 7B), and re-pinned every step.
   `Together` moves several models as one: nothing of the trainer (the frozen reference and PPO's
   critic included) stays on the card while the engine is awake.
 - `HandOff` drives the engine and the trainer in that order, and owns the checkpoint windows
@@ -35,7 +38,8 @@ class TrainerOffload:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  keep_grads: bool = False):
         self.model, self.optimizer, self.keep_grads = model, optimizer, keep_grads
-        self.host: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}  # by storage identity (_key)
+        self.buffer: torch.Tensor | None = None  # (bytes,) uint8 on the host, kept for the run
+        self.slices: list[tuple[torch.UntypedStorage, int, int]] = []  # each offloaded storage: offset, bytes
         self.offloaded = False
 
     def _tensors(self):
@@ -53,19 +57,22 @@ class TrainerOffload:
     def offload(self) -> None:
         if self.offloaded:
             return
-        pin = torch.cuda.is_available()
         if self.keep_grads:
             self._check_grads_survive()
+        storages = {}  # by storage identity (_key): views of one storage are copied once
         for t in self._tensors():
             s = t.untyped_storage()
-            key = _key(s)
-            if key in self.host or s.nbytes() == 0:
-                continue
-            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
-            copy = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            copy.copy_(view)
-            self.host[key] = (s, copy)
-        for s, _ in self.host.values():
+            if s.nbytes():
+                storages.setdefault(_key(s), s)
+        self.slices, end = [], 0
+        for s in storages.values():
+            self.slices.append((s, end, s.nbytes()))
+            end += -(-s.nbytes() // ALIGN) * ALIGN
+        if self.buffer is None or self.buffer.numel() < end:
+            self.buffer = _host_buffer(end, self.buffer)
+        for s, at, n in self.slices:
+            self.buffer[at:at + n].copy_(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
+        for s, _, _ in self.slices:
             s.resize_(0)
         self.offloaded = True
 
@@ -89,10 +96,10 @@ class TrainerOffload:
     def onload(self) -> None:
         if not self.offloaded:
             return
-        for s, copy in self.host.values():
-            s.resize_(copy.numel())
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(copy, non_blocking=False)
-        self.host.clear()
+        for s, at, n in self.slices:
+            s.resize_(n)
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(self.buffer[at:at + n])
+        self.slices = []
         self.offloaded = False
 
 
@@ -110,6 +117,23 @@ class Together:
     def onload(self) -> None:
         for p in self.parts:
             p.onload()
+
+
+ALIGN = 64  # bytes: each storage's slice of the host buffer starts on a cache line
+
+
+def _host_buffer(nbytes: int, old: torch.Tensor | None) -> torch.Tensor:
+    """A host buffer of exactly `nbytes`, page-locked in place on CUDA so copies to and from the card run
+    at full speed (an older, smaller one is released first)."""
+    pin = torch.cuda.is_available()
+    if old is not None and pin:
+        torch.cuda.cudart().cudaHostUnregister(old.data_ptr())
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(err[0] if isinstance(err, tuple) else err) != 0:
+            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.1f} GiB of host memory failed ({err})")
+    return buffer
 
 
 def _key(s: torch.UntypedStorage) -> int:

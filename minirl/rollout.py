@@ -152,7 +152,10 @@ class Engine:
         kwargs = dict(model=self.path, dtype=self.dtype, seed=self.seed, max_model_len=self.max_model_len,
                       tensor_parallel_size=1, enable_prefix_caching=False,
                       enforce_eager=(not on_cuda) if self.cfg.enforce_eager is None else self.cfg.enforce_eager,
-                      enable_sleep_mode=self._vllm_sleeps, distributed_executor_backend="external_launcher")
+                      enable_sleep_mode=self._vllm_sleeps, distributed_executor_backend="external_launcher",
+                      # CUDA graphs' memory leaves the card at sleep too, restored in place at wake (vLLM
+                      # keeps it resident by default: config/model.py, sleep_mode_offload_cudagraph)
+                      sleep_mode_offload_cudagraph=self._vllm_sleeps)
         if on_cuda:
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
         if not self.private and on_cuda and int(os.environ.get("LOCAL_RANK", 0)) != self.device.index:

@@ -71,6 +71,40 @@ def test_offload_round_trip_is_bit_exact_and_releases_storage(world):
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model, opt)))
 
 
+def test_offload_holds_one_exact_size_host_buffer_pinned_once_for_the_run(world, monkeypatch):
+    """The host copy of an offloaded trainer is ONE buffer of the storages' logical size (each slice
+    aligned to 64 bytes), page-locked in place once (cudaHostRegister: no power-of-two rounding of
+    torch's caching host allocator) and reused by every later offload, bit-exact each time."""
+    model, opt = trainer(world)
+    before = snapshot(model, opt)
+    registered = []
+
+    class CudaRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            registered.append((ptr, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            registered.remove(next(r for r in registered if r[0] == ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime())
+    storages = {}
+    for t in [*model.parameters(), *(p.grad for p in model.parameters()),
+              *(v for st in opt.state.values() for v in st.values() if v.numel() > 1)]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storages[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
+    logical = sum(-(-n // 64) * 64 for n in storages.values())
+    off = TrainerOffload(model, opt)
+    for _ in range(3):
+        off.offload()
+        assert off.buffer.numel() == logical and registered == [(off.buffer.data_ptr(), logical)]
+        off.onload()
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model, opt)))
+    assert logical < 1.2 * sum(storages.values())  # the alignment costs next to nothing
+
+
 def test_offload_can_keep_gradients_resident(world):
     model, opt = trainer(world)
     off = TrainerOffload(model, opt, keep_grads=True)

@@ -145,7 +145,7 @@ class RecordedLLM:
     def __init__(self, **kwargs):
         import os
         RecordedLLM.built.append({"kwargs": kwargs, **{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE",
-                                                                                    "LOCAL_RANK")}})
+                                                                                    "LOCAL_RANK", "VLLM_CACHE_ROOT")}})
 
 
 @pytest.mark.parametrize("card", [0, 1, 5])
@@ -169,6 +169,22 @@ def test_engine_is_built_on_the_card_the_device_map_names(card, monkeypatch, tin
     assert built["kwargs"]["distributed_executor_backend"] == "external_launcher"
     assert built["kwargs"]["gpu_memory_utilization"] == RolloutConfig().gpu_memory_utilization
     assert os.environ["LOCAL_RANK"] == "7" and os.environ["RANK"] == "7"
+    # vLLM names its compile cache by the rank it sees (0 in every private world): the root is this rank's
+    assert built["VLLM_CACHE_ROOT"].endswith(os.path.join("vllm", "minirl-rank7")) and "VLLM_CACHE_ROOT" not in os.environ
+
+
+def test_a_sleeping_cuda_engine_takes_its_cuda_graphs_memory_off_the_card_too(monkeypatch, tiny_path):
+    """vLLM keeps CUDA graphs' memory on the card through sleep unless asked (sleep_mode_offload_cudagraph);
+    the colocated engine asks, where it sleeps for real (CUDA); elsewhere nothing sleeps."""
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", RecordedLLM)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    RecordedLLM.built.clear()
+    Engine(tiny_path, RolloutConfig(), 32, torch.device("cuda", 0), sleep_mode=True)
+    Engine(tiny_path, RolloutConfig(), 32, torch.device("cuda", 0), sleep_mode=False)
+    on, off = (b["kwargs"] for b in RecordedLLM.built)
+    assert on["enable_sleep_mode"] and on["sleep_mode_offload_cudagraph"]
+    assert not off["enable_sleep_mode"] and not off["sleep_mode_offload_cudagraph"]
 
 
 def test_colocated_engine_refuses_a_card_other_than_local_ranks(monkeypatch, tiny_path):
