@@ -25,8 +25,9 @@ or a hub name already in the local Hugging Face cache; otherwise "memory: unknow
 - logits: one piece of the chunked logprob head (models.LOGITS_CHUNK vocabulary entries: the
   compute-dtype logits, their float32 copy and its gradient);
 - engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
-Colocated with the hand-off, engine and trainer take turns: the peak is the larger of the two
-phases. Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate, meant to
+Colocated with the hand-off, engine and trainer take turns: the peak is the largest of the two
+phases and the publish between them, when the engine's weights wake beside the trainer's parameters
+and optimizer state (`publish`). Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate, meant to
 catch a recipe that cannot fit, not to tune one to the last GiB; `--rehearse` measures the train step
 itself (rehearse.py), and the GPU recipes' rehearsed peaks are within 25% of it (docs/gpu.md).
 """
@@ -138,7 +139,7 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
         prefix = (f"rank {g}:{where} role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
                   f"params={params} compute={compute}")
         share, mem = (_grpo_share(args, world, hf, c, T) if grpo else _ppo_share(args, g, world, R, role, hf, c, T))
-        memory = _memory(args, role, mem, device_type, placement)
+        memory = _memory(args, role, mem, device_type, hf)
         if memory.endswith("(DOES NOT FIT)") and role != "rollout":
             memory += f"; {suggest(args, world, hf, role)}"
         lines.append(f"{prefix} | {share} | {memory}")
@@ -165,7 +166,8 @@ def suggest(args, world: int, hf: dict, role: str) -> str:
                 tried = dataclasses.replace(args, model=model, ppo=dataclasses.replace(
                     args.ppo, policy_micro_batch_rows=m, critic_micro_batch_rows=m))
                 flags = f"--ppo.policy-micro-batch-rows {m} --ppo.critic-micro-batch-rows {m}"
-            peak = card_peak(tried, role, sum(train_rank_terms(tried, world, hf).values()))
+            terms = train_rank_terms(tried, world, hf)
+            peak = card_peak(tried, role, sum(terms.values()), publish=publish_gib(tried, hf, terms))
             if peak <= args.dry_run_card_gib:
                 ac = " --model.activation-checkpointing" if checkpointing and not args.model.activation_checkpointing \
                     else ""
@@ -267,20 +269,34 @@ def engine_gib(args, role: str, device_type: str = "cuda") -> float:
         else args.rollout.kv_cache_gib
 
 
-def card_peak(args, role: str, trainer: float, device_type: str = "cuda") -> float:
-    """A rank's peak (GiB): engine and trainer take turns on a colocated card under the hand-off, else
-    they add up; plus the CUDA context and communicators."""
+def publish_gib(args, hf: dict | None, terms: dict | None) -> float:
+    """A colocated hand-off's publish (GiB): the engine's weights wake, in the compute dtype, while the
+    trainer's parameters and optimizer state are still on the card (its gradients and activations are
+    gone after the step) until the weight sync is done and the trainer offloads."""
+    if not hf or not terms:
+        return 0.0
+    weights = parameter_counts(hf)["total"] * models.DTYPES[args.model.dtype].itemsize / GIB
+    return weights + terms["params"] + terms["optimizer"]
+
+
+def card_peak(args, role: str, trainer: float, device_type: str = "cuda", publish: float = 0.0) -> float:
+    """A rank's peak (GiB): engine and trainer take turns on a colocated card under the hand-off, but for
+    the publish, where the engine's weights and the trainer overlap (`publish_gib`); else they add up;
+    plus the CUDA context and communicators."""
     engine = engine_gib(args, role, device_type)
     handoff = args.rl.colocated_offload if isinstance(args, GRPOArgs) else args.ppo.colocated_offload
-    return (max(engine, trainer) if role == "both" and handoff else engine + trainer) + BASELINE_GIB
+    return (max(engine, trainer, publish) if role == "both" and handoff else engine + trainer) + BASELINE_GIB
 
 
-def _memory(args, role: str, terms: dict | None, device_type: str, placement: str) -> str:
+def _memory(args, role: str, terms: dict | None, device_type: str, hf: dict | None) -> str:
     if terms is None:
         return "memory: unknown (no config.json readable offline; pass a local model folder)"
     card = args.dry_run_card_gib
     shown = " ".join(f"{k} {v:.2f}" for k, v in {**terms, "engine": engine_gib(args, role, device_type)}.items())
-    peak = card_peak(args, role, sum(terms.values()), device_type)
+    publish = publish_gib(args, hf, terms) if role == "both" else 0.0
+    if publish:
+        shown += f" publish {publish:.2f}"
+    peak = card_peak(args, role, sum(terms.values()), device_type, publish)
     if device_type != "cuda":
         return f"memory GiB: {shown} | peak {peak:.1f} (host memory)"
     verdict = "fits" if peak <= card else "DOES NOT FIT"

@@ -495,7 +495,7 @@ def _report(loop, name, W, peak, args, world_size, hf, source, disaggregated) ->
     estimate = plan.train_rank_terms(args, world_size, hf)
     trainer, planned = sum(peak.values()), sum(estimate.values())
     role = "train" if disaggregated else "both"
-    card = plan.card_peak(args, role, trainer)
+    card = plan.card_peak(args, role, trainer, publish=plan.publish_gib(args, hf, estimate) if role == "both" else 0)
     fits = "fits" if card <= args.dry_run_card_gib else "DOES NOT FIT"
     show = lambda d: " ".join(f"{k} {v:.2f}" for k, v in d.items())  # noqa: E731
     share = f"engine {plan.engine_gib(args, role):.1f}, " if role == "both" else ""

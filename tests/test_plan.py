@@ -130,3 +130,21 @@ def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_doe
         return float(re.search(r"peak ([\d.]+) of", next(x for x in plan.dry_run(tried) if x.startswith("rank 2:")))
                      .group(1))
     assert peak(m) <= 10.0 < peak(m + 1) and abs(peak(m) - float(hint.group(3))) < 0.05
+
+
+def test_a_colocated_plan_counts_the_publish_where_engine_weights_and_trainer_overlap(tmp_path):
+    """The hand-off's publish wakes the engine's weights (compute dtype, whole) while the trainer's shards
+    and AdamW state are still resident: at 8 ranks of the 3B GRPO recipe with a small engine share and
+    one row per micro-batch, that moment is the card's peak, not the larger of the two phases."""
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_3b.sh"), tmp_path)
+    args.rollout.gpu_memory_utilization, args.rl.micro_batch_per_replica = 0.1, 8
+    line = [x for x in plan.dry_run(args) if x.startswith("rank 0")][0]
+    terms = dict(re.findall(r"(\w+) ([\d.]+)", line.split("memory GiB:")[1].split("|")[0]))
+    hf, _ = plan.model_config(args.model)
+    weights = plan.parameter_counts(hf)["total"] * 2 / 2**30  # bf16
+    assert float(terms["publish"]) == pytest.approx(weights + float(terms["params"]) + float(terms["optimizer"]),
+                                                    abs=0.02)
+    trainer = sum(float(terms[k]) for k in ("params", "grads", "optimizer", "activations", "logits"))
+    assert float(terms["publish"]) > max(trainer, float(terms["engine"]))
+    peak = float(re.search(r"peak ([\d.]+) of", line).group(1))
+    assert peak == pytest.approx(float(terms["publish"]) + plan.BASELINE_GIB, abs=0.06)
