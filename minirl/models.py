@@ -425,52 +425,65 @@ class _ChosenLogprobs(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden.shape
         h = hidden[:, :-1].reshape(-1, H)                               # (N, H), N = B*(T-1)
-        y = self.targets.reshape(-1)                                    # (N,)
-        w, b = self.head.weight, self.head.bias
-        step = max(1, LOGITS_CHUNK // w.shape[0])
-        pieces = []
-        for i in range(0, h.shape[0], step):
-            args = (h[i:i + step], w, b, y[i:i + step])
-            if torch.is_grad_enabled():
-                pieces.append(checkpoint(_piece_logprobs, *args, use_reentrant=False))
-            else:
-                pieces.append(_piece_logprobs(*args))
-        both = torch.cat(pieces) if pieces else h.new_zeros(0, 2, dtype=torch.float32)
+        step = max(1, LOGITS_CHUNK // self.head.weight.shape[0])
+        both = _ChunkedHead.apply(h, self.head.weight, self.head.bias, self.targets.reshape(-1), step)  # (N, 2)
         return nn.functional.pad(both.view(B, T - 1, 2), (0, 0, 0, 1))  # (B, T, 2)
 
 
+class _ChunkedHead(torch.autograd.Function):
+    """(N, H) hidden, the head's (V, H) weight and bias, (N,) targets -> (N, 2) float32 [logprob, entropy],
+    `step` tokens of logits at a time. Nothing of a piece is kept for backward but its inputs: backward
+    recomputes each piece's logits, and sums the head's weight gradient over the pieces in float32 (each
+    piece's product leaves its matmul in float32), casting to the weight's dtype once at the end; with
+    autograd summing per-piece bf16 gradients, every piece would round the running sum to 8 bits."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, step: int):
+        ctx.save_for_backward(h, w, b, y)
+        ctx.step = step
+        pieces = [_piece_logprobs(h[i:i + step], w, b, y[i:i + step]) for i in range(0, h.shape[0], step)]
+        return torch.cat(pieces) if pieces else h.new_zeros(0, 2, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, b, y = ctx.saved_tensors
+        g = grad[:, 0]                                                  # (N,): the entropy has no gradient
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
+        db = torch.zeros_like(dw[:, 0]) if b is not None else None
+        for i in range(0, h.shape[0], ctx.step):
+            hp, yp, gp = h[i:i + ctx.step], y[i:i + ctx.step], g[i:i + ctx.step]
+            logits = _float_mm(hp, w.t()) + (wide(b) if b is not None else 0)   # (n, V) float32
+            d = -torch.softmax(logits, -1) * gp[:, None]                         # d logprob / d logit:
+            d[torch.arange(len(yp), device=d.device), yp] += gp                  # one-hot minus softmax
+            d_in = d.to(h.dtype)
+            dh[i:i + ctx.step] = d_in @ w
+            dw += _float_mm(d_in.t(), hp)                               # (V, H), summed in float32
+            if db is not None:
+                db += d.sum(0)
+        return dh, dw.to(w.dtype), db.to(b.dtype) if db is not None else None, None, None
+
+
 def _piece_logprobs(h, w, b, y):
-    logits = _FloatLogits.apply(h, w)                                   # (n, V) float32
+    logits = _float_mm(h, w.t())                                        # (n, V) float32
     if b is not None:
         logits = logits + wide(b)
     lse = logits.logsumexp(-1)                                          # (n,)
     lp = logits.gather(-1, y[:, None]).squeeze(-1) - lse                # (n,)
-    with torch.no_grad():
-        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)        # (n,): H = lse - E[logit]
+    ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)            # (n,): H = lse - E[logit]
     return torch.stack([lp, ent], -1)                                   # (n, 2)
 
 
-class _FloatLogits(torch.autograd.Function):
-    """h (n, H) @ w (V, H)^T with a float32 result from compute-dtype inputs. A bf16 result would round
-    every logit to 8 bits of mantissa (about 0.06 at a logit of 16) before the float32 log-softmax; the
-    products are exact in float32 and the matmul accumulates in float32 anyway. On CUDA that is
-    `torch.mm(..., out_dtype=float32)` (no float copy of the head's weight; it has no autograd, hence
-    this Function); elsewhere the inputs are cast. Backward as for a plain linear in the compute dtype."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, w)
-        if h.dtype in (torch.float32, torch.float64):
-            return h @ w.t()
-        if h.device.type == "cuda":
-            try:
-                return torch.mm(h, w.t(), out_dtype=torch.float32)
-            except NotImplementedError:  # a torch without the CUDA kernel: cast, as on the host
-                pass
-        return wide(h) @ wide(w).t()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        h, w = ctx.saved_tensors
-        grad = grad.to(h.dtype)
-        return grad @ w, grad.t() @ h
+def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 (at least) result from compute-dtype inputs. A bf16 result would round every
+    logit to 8 bits of mantissa (about 0.06 at a logit of 16) before the float32 log-softmax; the products
+    are exact in float32 and the matmul accumulates in float32 anyway. On CUDA that is
+    `torch.mm(..., out_dtype=float32)` (no float copy of the head's weight); elsewhere the inputs are cast."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.device.type == "cuda":
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except NotImplementedError:  # a torch without the CUDA kernel: cast, as on the host
+            pass
+    return wide(a) @ wide(b)

@@ -23,7 +23,8 @@ or a hub name already in the local Hugging Face cache; otherwise "memory: unknow
   Qwen2/Llama block saves per token (with --model.activation-checkpointing: each block's input,
   and one block's tensors while it reruns in backward);
 - logits: one piece of the chunked logprob head (models.LOGITS_CHUNK vocabulary entries: the
-  compute-dtype logits, their float32 copy and its gradient);
+  compute-dtype logits, their float32 copy and its gradient), and under bf16 compute the float32 sum
+  of the head's weight gradient over the pieces;
 - engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
 Colocated with the hand-off, engine and trainer take turns: the peak is the largest of the two
 phases and the publish between them, when the engine's weights wake beside the trainer's parameters
@@ -207,7 +208,8 @@ def _trainer_terms(hf: dict, dp: int, c: int, models_trained: int, micro_tokens:
     if logits:
         V = hf["vocab_size"]
         piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
-        out["logits"] = piece * V * (c + 4 + 4) / GIB
+        summed = 4 * V * hf["hidden_size"] if c < 4 else 0  # the head's weight gradient, summed in float32
+        out["logits"] = (piece * V * (c + 4 + 4) + summed) / GIB
     return out
 
 

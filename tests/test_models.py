@@ -231,6 +231,30 @@ def test_no_root_parameter_stays_gathered_after_a_forward_without_autograd(tiny_
     assert plain == []
 
 
+def test_the_chunked_heads_weight_gradient_is_summed_over_its_pieces_in_float32():
+    """bf16 compute, 512 pieces of 4 tokens: the head's weight gradient, summed over the pieces in float32
+    and cast once, is within a bf16 rounding of the exact gradient (float64 from the same bf16 inputs);
+    a bf16 running sum over the pieces (autograd's, when each piece was its own checkpoint) is not."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V, step = 2048, 64, 512, 4
+    h = torch.randn(N, H, generator=g).bfloat16().requires_grad_()
+    w = (0.3 * torch.randn(V, H, generator=g)).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g)
+    adv = torch.randn(N, generator=g)
+    (models._ChunkedHead.apply(h, w, None, y, step)[:, 0] * adv).sum().backward()
+    p = torch.softmax(h.detach().double() @ w.detach().double().t(), -1)
+    d = (torch.nn.functional.one_hot(y, V).double() - p) * adv.double()[:, None]  # d loss / d logit, (N, V)
+    exact = d.t() @ h.detach().double()                                             # (V, H)
+    scale = exact.abs().max().item()
+    err = (w.grad.double() - exact).abs().max().item() / scale
+    running = torch.zeros(V, H, dtype=torch.bfloat16)
+    for i in range(0, N, step):  # per-piece products, each rounded to bf16, added up in bf16
+        running += (d[i:i + step].t().bfloat16().float() @ h.detach()[i:i + step].float()).bfloat16()
+    err_bf16_sum = (running.double() - exact).abs().max().item() / scale
+    assert w.grad.dtype == torch.bfloat16 and err <= 2**-7 < err_bf16_sum, (err, err_bf16_sum)
+    assert (h.grad.double() - d.bfloat16().double() @ w.detach().double()).abs().max() <= 2**-7 * h.grad.abs().max()
+
+
 def test_bf16_compute_logprobs_and_values_come_out_of_their_heads_in_float32(tiny_path, world, monkeypatch):
     """The chunked head's logits and the critic's value head leave their matmuls in float32: from bf16
     hidden states and weights the chosen tokens' logprobs (vocab 4096) and the values equal the exact
@@ -257,6 +281,6 @@ def test_bf16_compute_logprobs_and_values_come_out_of_their_heads_in_float32(tin
         target = models.token_logprobs(models.sharded(tiny_path, "policy", world, "float32"), ids)
         policy = models.sharded(tiny_path, "policy", world, "bfloat16")
         err_new = (models.token_logprobs(policy, ids) - target).abs().mean()
-        monkeypatch.setattr(models._FloatLogits, "apply", lambda h, w: nn.functional.linear(h, w).float())
+        monkeypatch.setattr(models, "_float_mm", lambda a, b: (a @ b).float())  # a bf16 result, cast after
         err_old = (models.token_logprobs(policy, ids) - target).abs().mean()
     assert err_new < err_old, (err_new, err_old)
