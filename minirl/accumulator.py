@@ -10,15 +10,20 @@ One window is `n_micro` calls of `backward(loss, divisor)`, then one optimizer s
   clip, THEN step (B9). `max(., 1)`: an all-empty window has sum 0 and a zero gradient, not NaN (B10).
   Exact because gradients are linear; no extra collective, because each divisor is already a DP
   mean and the DP mean is linear over chunks.
-- A non-finite chunk loss poisons its window (B12): gradients are zeroed, the divisor sum is
-  reset, and exactly the remaining calls of that window are discarded (`discarding()` is true
-  for them), so the next step sees only the next mini-batch. An open window (n_micro=None, a
-  PPO step) stays poisoned until `finish()`: every later `backward` is refused, and `finish()`
-  takes no step and leaves no gradient behind. Finiteness is agreed across ranks first, so
-  every rank takes the same branch and FSDP's collectives stay matched.
-- `roll_up` (B13): losses and rates token-weighted by the divisor, counts summed.
+- A non-finite chunk loss poisons its window (B12): the window is abandoned whole at its end, its
+  gradients zeroed and its divisor sum reset, with no optimizer step, so the next window holds only
+  the next mini-batch. Finiteness is tracked on the device and read once, when the window closes,
+  together with the gradient norm: the rest of a poisoned window still runs and is dropped with it,
+  since telling the host after each call would be a sync per micro-batch on a GPU (a stall of its
+  queue). The window's length is fixed (n_micro calls, or an open PPO window closed by `finish()`),
+  so a drop never misaligns the next window. The flag is agreed across ranks (a max all-reduce) before
+  the read, so every rank takes the same branch and FSDP's collectives stay matched.
+- `roll_up` (B13): losses and rates token-weighted by the divisor, counts summed, computed on the
+  device and read back once per step.
 
-The caller owns the forward; the window owns backward, scaling, clipping and the step.
+The caller owns the forward; the window owns backward, scaling, clipping and the step. The host
+reads per optimizer step are the window's one (`finish`) and the step's metrics (`roll_up`), at any
+n_micro.
 """
 
 from __future__ import annotations
@@ -45,66 +50,47 @@ class Accumulator:
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.n_micro, self.max_grad_norm = n_micro, max_grad_norm
         self.calls = 0          # calls so far in the current window
-        self.denom = 0.0        # sum of divisors in the current window
-        self.to_discard = 0     # remaining calls of a poisoned window
+        self.denom = 0.0        # sum of divisors in the current window (a float64 device scalar once a call came)
+        self.finite = None      # a device flag: every loss of the current window is finite
         self.steps = 0          # optimizer steps taken
         self.skipped = 0        # windows abandoned for a non-finite loss or gradient
-        self.poisoned = False   # an open window hit a non-finite loss: drop calls until finish()
         self.step_s = 0.0       # wall time spent in clip + optimizer steps (MINIRL_PROFILE_LOOP)
 
-    def discarding(self) -> bool:
-        """True (and consumes one) while the rest of a poisoned window is being dropped; skip the call."""
-        if self.poisoned:
-            return True
-        if self.to_discard:
-            self.to_discard -= 1
-            return True
-        return False
-
     def backward(self, loss: torch.Tensor, divisor: torch.Tensor | float) -> dict | None:
-        """Backpropagate one call; step on the window's last. Returns step metrics when it stepped,
-        `{"skipped_nonfinite": 1.0}` when this call poisoned the window."""
-        if self.poisoned:  # the rest of a poisoned open window: refused on every rank alike
-            return None
-        bad = torch.tensor(0.0 if torch.isfinite(loss.detach()).all() else 1.0)
-        if dist.all_reduce(bad, "max").item():
-            remaining = self.n_micro - self.calls - 1 if self.n_micro else 0
-            self._reset()
-            if hasattr(self.model, "reshard"):  # no backward comes for this forward: FSDP2's root stays gathered
-                self.model.reshard()
-            self.to_discard, self.poisoned = remaining, self.n_micro is None
-            self.skipped += 1
-            return {"skipped_nonfinite": 1.0}
+        """Backpropagate one call; close the window on its last and return `finish()`'s metrics."""
+        finite = torch.isfinite(loss.detach())
+        self.finite = finite if self.finite is None else self.finite & finite
         if self.n_micro == 1:
             loss.backward()
-            return self._step()
-        (loss * float(divisor)).backward()
-        self.denom += float(divisor)
+        else:
+            (loss * divisor).backward()
+            self.denom = self.denom + torch.as_tensor(divisor, dtype=torch.float64)
         self.calls += 1
         if self.n_micro is None or self.calls < self.n_micro:
             return None
         return self.finish()
 
     def finish(self) -> dict:
-        """Close the window: scale by 1 / max(sum of divisors, 1), then clip, then step (B8, B9)."""
-        if self.poisoned:  # already counted when the window was poisoned; nothing may leak into the next
-            self.poisoned = False
-            self._reset()
-            return {}
-        scale = 1.0 / max(self.denom, 1.0)
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return self._step()
-
-    def _step(self) -> dict:
+        """Close the window: scale by 1 / max(sum of divisors, 1) (B8; a one-call window as it is, B7),
+        then clip (B9), then one host read: every rank's finiteness and the norm; a step if both are
+        finite, else the window is dropped (B12). {"grad_norm": ...}, plus "skipped_nonfinite": 1.0
+        for a drop."""
         t0 = time.perf_counter()
+        if self.n_micro != 1:
+            d = self.denom
+            scale = 1.0 / (d.clamp_min(1.0) if isinstance(d, torch.Tensor) else max(d, 1.0))  # on the device
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(scale)
         norm = _clip(self.model, self.max_grad_norm)
-        if not math.isfinite(norm):
+        finite = self.finite if self.finite is not None else torch.ones((), dtype=torch.bool, device=norm.device)
+        bad = dist.all_reduce((~finite).to(norm.device, torch.float32).reshape(1), "max")[0]  # any rank's
+        finite, norm = torch.stack([1 - bad, norm.float()]).tolist()  # the window's one host read (a GPU sync)
+        if not finite or not math.isfinite(norm):
             self._reset()
             self.skipped += 1
-            return {"skipped_nonfinite": 1.0, "grad_norm": norm}
+            return {"skipped_nonfinite": 1.0} if not finite else {"skipped_nonfinite": 1.0, "grad_norm": norm}
         if self.schedule is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = self.schedule(self.steps)
@@ -116,7 +102,7 @@ class Accumulator:
 
     def _reset(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.calls, self.denom = 0, 0.0
+        self.calls, self.denom, self.finite = 0, 0.0, None
 
 
 def lr_schedule(peak: float, warmup: int, total: int, kind: str = "constant", min_ratio: float = 0.0):
@@ -153,40 +139,52 @@ class Stall:
                 "this state; resume from the newest checkpoint with a lower learning rate")
 
 
-def _clip(model: torch.nn.Module, max_norm: float) -> float:
+def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to `max_norm` (0 = none) and return their norm, a 0-dim tensor on their device."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return 0.0
+        p = next(model.parameters())
+        return torch.zeros((), device=p.to_local().device if hasattr(p, "to_local") else p.device)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2: the norm is a DTensor
         norm = norm.full_tensor()
-    return norm.item()
+    return norm
 
 
 def roll_up(calls: list[dict]) -> dict:
-    """Combine per-call metrics into one record (B13).
+    """Combine per-call metrics into one record of floats (B13).
 
     Keys ending in a COUNTS suffix are summed; `*_max` keys take the max; every other key of a
     `<prefix>_*` family is weighted by that family's divisor `<prefix>_denom`:
     sum(x_i * denom_i) / sum(denom_i), which telescopes back to the whole batch's value. Keys
-    without a divisor in their family are averaged over the calls that report them.
+    without a divisor in their family (or whose divisors sum to 0) are averaged over the calls that
+    report them. Values may be numbers or 0-dim device tensors (the objective's): the tensors are
+    combined on their device and read back in one transfer, the step's one read of its metrics.
     """
-    out: dict[str, float] = {}
-    keys = {k for c in calls for k in c}
-    for k in sorted(keys):
-        vals = [(c[k], c) for c in calls if k in c]
+    keys = sorted({k for c in calls for k in c})
+    device = next((v.device for c in calls for v in c.values() if isinstance(v, torch.Tensor)), None)
+    if device is None:  # host numbers only
+        as_t = lambda v: torch.tensor(float(v), dtype=torch.float64)  # noqa: E731
+    else:  # a number goes to the device as a fill, never a blocking copy
+        as_t = lambda v: (v.to(torch.float64) if isinstance(v, torch.Tensor)  # noqa: E731
+                          else torch.full((), float(v), dtype=torch.float64, device=device))
+    out = {}
+    for k in keys:
+        with_k = [c for c in calls if k in c]
+        v = torch.stack([as_t(c[k]) for c in with_k])
         if k.endswith(COUNTS + SHARED):
-            out[k] = sum(v for v, _ in vals)
+            out[k] = v.sum()
         elif k.endswith(MAXIMA):
-            out[k] = max(v for v, _ in vals)
+            out[k] = v.max()
         else:
             denom_key = k.split("_", 1)[0] + "_denom"
-            w = [c.get(denom_key) for _, c in vals]
-            if all(x is not None for x in w) and sum(w) > 0:
-                out[k] = sum(v * x for (v, _), x in zip(vals, w)) / sum(w)
+            if all(denom_key in c for c in with_k):
+                w = torch.stack([as_t(c[denom_key]) for c in with_k])
+                out[k] = torch.where(w.sum() > 0, (v * w).sum() / w.sum().clamp_min(1e-300), v.mean())
             else:
-                out[k] = sum(v for v, _ in vals) / len(vals)
-    return out
+                out[k] = v.mean()
+    values = torch.stack(list(out.values())).tolist() if out else []  # one read (a sync on a GPU)
+    return dict(zip(out, values))
 
 
 def across_ranks(metrics: dict) -> dict:

@@ -242,9 +242,6 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
             acc.n_micro = len(micros)  # fixed by config, or decided per mini-batch by the token budget
             for micro in range(len(micros)):
                 k += 1
-                if acc.discarding():  # the rest of a poisoned window (B12)
-                    store.skip()
-                    continue
                 c = store.chunk(mini, micro)                                    # (rows, T_c)
                 ref_logp = None
                 if ref is not None:

@@ -10,6 +10,10 @@ batch's divisor, so the accumulator needs no collective of its own (accumulator.
 An all-empty chunk (divisor 0) returns loss 0 (still attached to the graph, so backward
 runs and yields zero gradients) and divisor 0: never NaN.
 
+Nothing here reads a value back to the host: the loss, the divisor and every metric stay 0-dim
+tensors on the trainer's device (on a GPU each read is a sync that drains its queue), and the
+accumulator reads the step's metrics once, when the step is done (accumulator.roll_up).
+
 Shapes: B sequences, T positions; every per-token tensor is (B, T) and `mask` is 1.0 on
 trained completion tokens.
 """
@@ -34,7 +38,8 @@ def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: Literal["token"
         local_sum = seq.sum()
         local_n = (n_tok > 0).sum().to(per_token.dtype)
     divisor = dist.all_reduce(local_n.detach().clone().float(), "avg")  # the DP mean
-    loss = local_sum / divisor if divisor > 0 else local_sum * 0.0
+    # divisor 0: every rank's sum is 0 too, so this is 0 (and its gradient zero), with no host read
+    loss = local_sum / divisor.clamp_min(torch.finfo(divisor.dtype).tiny)
     return loss, divisor
 
 
@@ -49,7 +54,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     token with a negative advantage by -c * A, however far its ratio has grown (0 = off).
     advantages: (B, T) or (B,) (a sequence-level advantage, broadcast over tokens).
     `entropy` (B, T), the policy's per-token entropy from the same forward, is only reported.
-    Returns (loss, divisor, metrics); metrics are local to this rank and chunk.
+    Returns (loss, divisor, metrics); metrics are local to this rank and chunk, 0-dim device tensors
+    but the row count.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -71,17 +77,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         n_tok = mask.sum()
         is_clipped = ((ratio * advantages) > (clipped * advantages)).to(mask.dtype)
         m = {
-            f"{prefix}_loss": loss.item(),
-            f"{prefix}_denom": divisor.item(),
+            f"{prefix}_loss": loss.detach(),
+            f"{prefix}_denom": divisor,
             f"{prefix}_n": float(logp.shape[0]),
-            f"{prefix}_tokens": n_tok.item(),
-            f"{prefix}_clipfrac": ((is_clipped * mask).sum() / n_tok.clamp_min(1)).item(),
-            f"{prefix}_ratio_max": (ratio * mask).max().item() if n_tok > 0 else 1.0,
+            f"{prefix}_tokens": n_tok,
+            f"{prefix}_clipfrac": (is_clipped * mask).sum() / n_tok.clamp_min(1),
+            f"{prefix}_ratio_max": torch.where(n_tok > 0, (ratio * mask).max(), 1.0),
         }
         if kl is not None:
-            m[f"{prefix}_kl"] = ((kl * mask).sum() / n_tok.clamp_min(1)).item()
+            m[f"{prefix}_kl"] = (kl * mask).sum() / n_tok.clamp_min(1)
         if entropy is not None:
-            m[f"{prefix}_entropy"] = ((entropy * mask).sum() / n_tok.clamp_min(1)).item()
+            m[f"{prefix}_entropy"] = (entropy * mask).sum() / n_tok.clamp_min(1)
     return loss, divisor, m
 
 
@@ -100,23 +106,23 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     with torch.no_grad():
         n_tok = mask.sum()
         m = {
-            f"{prefix}_loss": loss.item(),
-            f"{prefix}_denom": divisor.item(),
+            f"{prefix}_loss": loss.detach(),
+            f"{prefix}_denom": divisor,
             f"{prefix}_n": float(values.shape[0]),
-            f"{prefix}_tokens": n_tok.item(),
-            f"{prefix}_clipfrac": ((((values - old_values).abs() > clip_eps).to(mask.dtype) * mask).sum()
-                                   / n_tok.clamp_min(1)).item(),
+            f"{prefix}_tokens": n_tok,
+            f"{prefix}_clipfrac": (((values - old_values).abs() > clip_eps).to(mask.dtype) * mask).sum()
+            / n_tok.clamp_min(1),
         }
     return loss, divisor, m
 
 
 @torch.no_grad()
-def logprob_gap(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean |trainer - engine| logprob over this chunk's masked tokens.
+def logprob_gap(trainer_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean |trainer - engine| logprob over this chunk's masked tokens (a 0-dim tensor).
 
     At the same weights (GRPO) it is the kernels' mismatch: ~1e-6 on CPU in float32, larger for
     the engine's bf16 kernels on GPUs, which is why minirl takes pi_old from the trainer by default.
     For PPO under lookahead it also holds the staleness of groups sampled by an older policy.
     """
     mask = mask.to(trainer_logp.dtype)
-    return ((trainer_logp - engine_logp).abs() * mask).sum().item() / max(mask.sum().item(), 1.0)
+    return ((trainer_logp - engine_logp).abs() * mask).sum() / mask.sum().clamp_min(1.0)

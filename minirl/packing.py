@@ -65,8 +65,11 @@ class Layout:
         return self.lanes * self.capacity
 
     def to(self, device: torch.device) -> "Layout":
-        return Layout(self.lanes, self.capacity, *(t.to(device) for t in (self.positions, self.packed, self.padded,
-                                                                          self.src, self.dst)), self.shape)
+        """On CUDA through pinned memory, non-blocking: a pageable copy waits for the card's queue to drain."""
+        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (  # noqa: E731
+            lambda t: t.to(device))
+        return Layout(self.lanes, self.capacity, *(move(t) for t in (self.positions, self.packed, self.padded,
+                                                                     self.src, self.dst)), self.shape)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (lanes, capacity); pads hold 0."""

@@ -25,7 +25,12 @@ are built from config.json alone (no weights), and torch's FSDPMemTracker measur
 It prints, per loop and model, the tracker's peak per card by category beside the plan's estimate
 (plan.py) and the verdict against --dry-run-card-gib with the engine's share; the last line is
 
-    rehearsal <loop> <model> world <W>: peak <X> GiB per card, plan <Y> GiB, device mismatches 0 ...
+    rehearsal <loop> <model> world <W>: peak <X> GiB per card, plan <Y> GiB, host reads per optimizer step <N>,
+        device mismatches 0 ...
+
+where the host reads are the values of CUDA tensors the step reads back (`.item()`, `.tolist()`, `bool()`:
+on a GPU each is a sync that drains the card's queue), counted from the first forward to the step's
+metrics (GRPO: one optimizer step; PPO: a whole step, its policy and critic optimizer steps).
 
 A CUDA tensor meeting a CPU one stops it with the op and minirl's line (exit 1). The peak is the
 tracker's over the whole rehearsal, with AdamW's moments resident from the start (a warm-up step
@@ -60,6 +65,7 @@ from minirl.config import ConfigError
 
 GIB = 2**30
 SOURCE = os.path.join(os.path.dirname(__file__), "fakecuda.cpp")
+HOST_READS = [0]  # values of CUDA tensors read on the host (`_stand_ins` counts them)
 
 
 # ---- the parent: compile the stand-ins once, rehearse in a child process ----
@@ -145,14 +151,14 @@ def rehearse(loop: str, args) -> list[str]:
     data = batch(args, world)  # on the host with real numbers, before fake mode
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), _flash_attention():
-            peak = step(args, world, _hf_config(hf), data)
+            peak, reads = step(args, world, _hf_config(hf), data)
     except FakeTensorDeviceMismatchError as e:
         where = _minirl_frame(e)
         print(f"rehearsal {loop} {name} world {W}: device mismatch in {e.func}: {e.common_device} meets {e.device}"
               f" at {where}; device mismatches 1 (the first stops the rehearsal)", flush=True)
         raise SystemExit(1) from None
     tdist.destroy_process_group()
-    lines = _report(loop, name, W, peak, args, world_size, hf, source, disaggregated)
+    lines = _report(loop, name, W, peak, reads, args, world_size, hf, source, disaggregated)
     print("\n".join(lines), flush=True)
     return lines
 
@@ -173,7 +179,7 @@ def _grpo_batch(args, world):
 def _grpo(args, world, cfg, store):
     """One optimizer step of GRPO's update on the store's mini-batch, inside the hand-off."""
     from minirl import grpo, models
-    from minirl.accumulator import Accumulator, lr_schedule
+    from minirl.accumulator import Accumulator, across_ranks, lr_schedule, roll_up
     rl, dtype = args.rl, models.DTYPES[args.model.dtype]
     policy = _build(cfg, "policy", world, args)
     ref = _build(cfg, "reference", world, args) if rl.kl_coef else None
@@ -187,11 +193,14 @@ def _grpo(args, world, cfg, store):
     one_epoch = dataclasses.replace(args, rl=dataclasses.replace(rl, mu_iterations=1))
     with _Tracker([(policy, optimizer), (ref, None)]) as tracker:
         handoff.to_trainer()
-        grpo.update(policy, ref, acc, store, one_epoch, probe, args.needs_cached_old_logprobs)
+        before = HOST_READS[0]
+        calls, steps = grpo.update(policy, ref, acc, store, one_epoch, probe, args.needs_cached_old_logprobs)
+        across_ranks(roll_up(calls)), roll_up(steps)  # the step's metrics, as grpo.main reads them
+        reads = HOST_READS[0] - before
         handoff.save_in_update_window(lambda: _save_and_export({"policy": (policy, optimizer)}, dtype))
         handoff.publish()  # the weight-sync gather at the real shape, then the trainer's offload
     store.close()
-    return tracker.peak()
+    return tracker.peak(), reads
 
 
 def _ppo_chunks(args, world) -> list[dict]:
@@ -207,7 +216,7 @@ def _ppo_chunks(args, world) -> list[dict]:
 def _ppo(args, world, cfg, chunks):
     """One PPO step through the real TrainPump: every chunk of the step, then the close."""
     from minirl import dist, models, ppo, refit
-    from minirl.accumulator import Accumulator, lr_schedule
+    from minirl.accumulator import Accumulator, across_ranks, lr_schedule
     from minirl.placement import EngineGroups
     from minirl.stream import TrainPump
     p, dtype = args.ppo, models.DTYPES[args.model.dtype]
@@ -233,13 +242,15 @@ def _ppo(args, world, cfg, chunks):
         pump = TrainPump(policy, value, acc, value_opt, ppo.pump_config(args, 0, colocated), 0, refit=publish,
                          ref=ref, log=lambda line: None, policy_off=offload[0], value_off=offload[1],
                          device=world.device, value_schedule=lr_schedule(p.value_lr, 0, 1))
+        before = HOST_READS[0]
         for c in chunks:
             pump.chunk(c)
-        pump.close()
+        across_ranks(pump.close())  # the step's metrics, as ppo.train reads them
+        reads = HOST_READS[0] - before
         for o in offload:  # ppo.train's save(): both models resident between steps
             o.onload()
         _save_and_export({"policy": (policy, policy_opt), "value": (value, value_opt)}, dtype)
-    return tracker.peak()
+    return tracker.peak(), reads
 
 
 def _save_and_export(parts: dict, dtype: torch.dtype) -> None:
@@ -375,17 +386,26 @@ def _stand_ins() -> None:
     torch.cuda.current_stream = lambda *a, **k: Stream()
     torch.cuda.stream = lambda s: contextlib.nullcontext()
 
-    def answer(t):
+    def value(t):
         if t.constant is not None:
             return t.constant.item()
         return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
 
-    FakeTensor.item = answer
-    FakeTensor.__bool__ = lambda t: bool(answer(t))
-    FakeTensor.__float__ = lambda t: float(answer(t))
-    FakeTensor.__int__ = lambda t: int(answer(t))
-    FakeTensor.tolist = lambda t: t.constant.tolist() if t.constant is not None else (
-        [FakeTensor.tolist(x) for x in t.unbind(0)] if t.dim() else answer(t))
+    def listed(t):
+        return t.constant.tolist() if t.constant is not None else [listed(x) for x in t.unbind(0)] if t.dim() \
+            else value(t)
+
+    def read(answer):  # a value of a CUDA tensor read on the host: on a GPU, a sync that drains the queue
+        def counted(t, *a):
+            HOST_READS[0] += t.device.type == "cuda"
+            return answer(t)
+        return counted
+
+    FakeTensor.item = read(value)
+    FakeTensor.__bool__ = read(lambda t: bool(value(t)))
+    FakeTensor.__float__ = read(lambda t: float(value(t)))
+    FakeTensor.__int__ = read(lambda t: int(value(t)))
+    FakeTensor.tolist = read(listed)
     torch.Tensor.pin_memory = lambda t, *a, **k: t  # real host tensors too: fake mode has no pinned memory
 
 
@@ -490,7 +510,7 @@ def _minirl_frame(e: BaseException) -> str:
     return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno} ({f.name}: {f.line})"
 
 
-def _report(loop, name, W, peak, args, world_size, hf, source, disaggregated) -> list[str]:
+def _report(loop, name, W, peak, reads, args, world_size, hf, source, disaggregated) -> list[str]:
     from minirl import plan
     estimate = plan.train_rank_terms(args, world_size, hf)
     trainer, planned = sum(peak.values()), sum(estimate.values())
@@ -504,6 +524,7 @@ def _report(loop, name, W, peak, args, world_size, hf, source, disaggregated) ->
             f"rehearsal {loop} {name} world {W}: card peak {card:.1f} of {args.dry_run_card_gib:g} GiB "
             f"({share}trainer {trainer:.1f}, context {plan.BASELINE_GIB:g}): {fits}",
             f"rehearsal {loop} {name} world {W}: peak {trainer:.2f} GiB per card, plan {planned:.2f} GiB, "
+            f"host reads per {'optimizer step' if loop == 'grpo' else 'step'} {reads}, "
             f"device mismatches 0 ({planned / trainer - 1:+.0%} plan vs rehearsal; {fits})"]
 
 

@@ -130,6 +130,7 @@ class TrainPump:
         t0 = time.perf_counter()
         if "value.ready" not in self.events:  # colocated: first ready now the engine sleeps
             self.prepare_value()
+        tokens = int(c["mask"].sum())  # counted on the host, before the chunk moves to the device
         c = to_device({k: v for k, v in c.items() if isinstance(v, torch.Tensor)}, self.device) | {
             k: v for k, v in c.items() if not isinstance(v, torch.Tensor)}
         ids, mask = c["input_ids"], c["mask"]
@@ -143,14 +144,10 @@ class TrainPump:
         if self.cfg.normalize_advantages:
             adv = masked_whiten(adv, mask)                                       # per chunk (S19)
         self._policy_resident()
-        entry = {**c, "old_values": old_values, "returns": returns, "adv": adv, "raw_adv": raw_adv}
+        entry = {**c, "old_values": old_values, "returns": returns, "adv": adv, "raw_adv": raw_adv, "tokens": tokens}
         old, refs, gaps = [], [], []
         for rows in self._micro_batches(ids.shape[0], self.cfg.policy_micro_rows):
             part = _slice_rows(entry, rows)
-            if self.policy_acc.poisoned and not self.cfg.critic_warmup:  # this step's update is abandoned (B12)
-                self.events.append("policy.discarded")
-                old.append(torch.zeros_like(part["mask"]))  # never read: the step's policy epochs are skipped
-                continue
             if self.ref is not None and self.cfg.kl_coef:
                 self.events.append("reference.forward")
                 with torch.no_grad():
@@ -174,7 +171,7 @@ class TrainPump:
         # for) is frozen here for every policy epoch.
         self.chunks.append({**entry, "old_logp": torch.cat(old), "ref_logp": torch.cat(refs) if refs else None})
         self.log(f"train_pump: step {self.step} chunk {k} groups={c.get('groups', '?')} rows={ids.shape[0]} "
-                 f"tokens={int(mask.sum())}")
+                 f"tokens={tokens}")
         self.prepare_value()  # before the caller waits for the next chunk (S12)
         self.last_chunk_s = time.perf_counter() - t0
 
@@ -188,7 +185,7 @@ class TrainPump:
     # ---- close the step ----
     def close(self) -> dict:
         t0 = time.perf_counter()
-        local = sum(float(c["mask"].sum()) for c in self.chunks)
+        local = float(sum(c["tokens"] for c in self.chunks))
         if dist.all_reduce(torch.tensor([local], dtype=torch.float64)).item() == 0:  # every train rank agrees
             raise RuntimeError(f"train_pump: step {self.step}: every completion token is masked; "
                                "refusing both updates (S15)")
@@ -267,9 +264,6 @@ class TrainPump:
             for start in range(0, len(rows), size):
                 part = rows[start:start + size]
                 b = _stack(part, ("input_ids", "mask", "old_values", "returns", "lengths"))
-                if acc.poisoned:  # a non-finite loss abandoned this epoch's critic step
-                    samples += len(part)
-                    continue
                 v = self.value(b["input_ids"], b.get("lengths"))
                 loss, divisor, m = value_loss(v, b["old_values"], b["returns"], b["mask"], self.cfg.value_clip_eps)
                 acc.backward(loss, divisor)

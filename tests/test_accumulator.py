@@ -41,8 +41,6 @@ def run_window(model, batch, n_micro, max_norm=0.0, lr=0.1, poison_at=None):
     size = ids.shape[0] // n_micro
     calls = []
     for k in range(n_micro):
-        if acc.discarding():
-            continue
         s = slice(k * size, (k + 1) * size)
         loss, div, m = loss_of(model, ids[s], mask[s], adv[s], old[s])
         if poison_at == k:
@@ -130,9 +128,10 @@ def test_all_empty_window_gives_zero_gradient_not_nan(world):
     assert roll_up(calls)["grpo_denom"] == 0
 
 
-def test_poisoned_window_skips_rest_of_minibatch(world):
-    """A NaN in mini-batch 0 at call k: the remaining calls of mini 0 are dropped, and the only
-    optimizer step of the two mini-batches equals mini-batch 1 stepped alone."""
+def test_poisoned_window_abandons_its_whole_minibatch(world):
+    """A NaN in mini-batch 0 at call k: mini 0's window is dropped whole when it closes (the calls
+    after k run and are dropped with it: the flag is read once per window, not per call), and the
+    only optimizer step of the two mini-batches equals mini-batch 1 stepped alone."""
     batch0, batch1 = make_batch(4), make_batch(5)
     n_micro = 4
     clean = toy_lm(V)
@@ -142,18 +141,18 @@ def test_poisoned_window_skips_rest_of_minibatch(world):
         opt = RecordingSGD(model.parameters(), lr=0.1)
         acc = Accumulator(model, opt, n_micro, 0.0)
         executed = 0
+        outs = []
         for mini, (ids, mask, adv, old) in enumerate((batch0, batch1)):
             for micro in range(n_micro):
-                if acc.discarding():
-                    continue
                 executed += 1
                 s = slice(3 * micro, 3 * micro + 3)
                 loss, div, _ = loss_of(model, ids[s], mask[s], adv[s], old[s])
                 if mini == 0 and micro == k:
                     loss = loss * float("nan")
-                acc.backward(loss, div)
-        assert executed == k + 1 + n_micro, k        # exactly the rest of mini 0 was discarded
-        assert acc.steps == 1 and acc.skipped == 1 and acc.to_discard == 0
+                outs.append(acc.backward(loss, div))
+        assert executed == 2 * n_micro, k            # the windows keep their length: nothing misaligns
+        assert outs[n_micro - 1] == {"skipped_nonfinite": 1.0} and "grad_norm" in outs[-1], (k, outs)
+        assert acc.steps == 1 and acc.skipped == 1 and acc.calls == 0
         for a, b in zip(opt.seen, opt_clean.seen):
             assert torch.equal(a, b), k
         for a, b in zip(model.parameters(), clean.parameters()):
@@ -201,13 +200,17 @@ def test_lr_schedule_warms_up_then_holds_or_follows_a_cosine():
 
 
 def test_a_poisoned_window_leaves_no_fsdp_root_parameter_gathered(tiny_path, world):
-    """A non-finite loss is never backpropagated, so FSDP2 never reshards the root its forward gathered:
-    the window reshards it when it drops the call."""
+    """A non-finite loss is backpropagated like any other (FSDP2's backward reshards the root its
+    forward gathered), and the window that holds it is dropped when it closes, leaving no gradient."""
     from torch.distributed.tensor import DTensor
 
     from minirl import models
     policy = models.sharded(tiny_path, "policy", world, "float32")
     acc = Accumulator(policy, RecordingSGD(policy.parameters(), lr=0.1), n_micro=2)
     logp = models.token_logprobs(policy, torch.randint(3, 40, (2, 8)))
-    assert acc.backward(logp.sum() * float("nan"), 1.0) == {"skipped_nonfinite": 1.0}
+    assert acc.backward(logp.sum() * float("nan"), 1.0) is None  # the window is open until its last call
     assert [n for n, p in policy.named_parameters() if not isinstance(p, DTensor)] == []
+    logp = models.token_logprobs(policy, torch.randint(3, 40, (2, 8)))
+    assert acc.backward(logp.sum(), 1.0) == {"skipped_nonfinite": 1.0}
+    assert [n for n, p in policy.named_parameters() if not isinstance(p, DTensor)] == []
+    assert all(p.grad is None for p in policy.parameters()) and acc.steps == 0

@@ -285,9 +285,10 @@ def test_two_train_ranks_whiten_over_both_shards_and_agree_on_masked_steps(tiny_
 @pytest.mark.parametrize("bad_at", [0, 1, 2], ids=["first", "middle", "last"])
 def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(models, world, bad_at):
     """A NaN reward in one of three chunks (the first, the middle or the last, so earlier chunks'
-    gradients are already accumulated): no policy step, later chunks discarded (B12), the skip in
-    the step's metrics once, no gradient left, the critic's skip reported too; and the next step's
-    gradient is exactly what a clean step from the same weights gives."""
+    gradients are already accumulated): no policy step (B12: the open window is dropped when the step
+    closes; the later chunks run into it and are dropped with it), the skip in the step's metrics once,
+    no gradient left, the critic's skip reported too; and the next step's gradient is exactly what a
+    clean step from the same weights gives."""
     chunks = [make_chunk(*c) for c in CHUNKS]
     chunks[bad_at]["rewards"][0] = float("nan")
     clean = make_chunk(*CHUNKS[1])
@@ -296,7 +297,7 @@ def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(mode
         p.chunk(c)
     out = p.close()
     assert p.policy_acc.steps == 0 and out["skipped_nonfinite"] == 1.0
-    assert ("policy.discarded" in p.events) == (bad_at < 2)
+    assert p.events.count("policy.backward") == len(CHUNKS) and "policy.step" in p.events
     assert out["value_skipped_nonfinite"] == 1.0
     p.policy_off.onload()
     assert all(q.grad is None for q in p.policy.parameters())
