@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo --log.overwrite
-	$(BIN)/python -m minirl.plot runs/demo
+	$(BIN)/python -m minirl.tools.plot runs/demo
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -47,10 +47,10 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
 
     from minirl import dist, models, refit
     from minirl.config import ModelConfig, RolloutConfig, TinyModelConfig
-    from minirl.placement import drop, put, take
+    from minirl.refit import drop, put, take
     from minirl.rollout import Engine
 
-    roles, world, store = dist.init_disaggregated(rollout_ranks)
+    roles, world, store = refit.init_disaggregated(rollout_ranks)
     if bucket_mib:
         refit.BUCKET_BYTES = bucket_mib << 20
     cfg = ModelConfig(tiny=TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
@@ -63,7 +63,7 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
         buckets = refit.manifest(policy, torch.float32)
         manifest = json.dumps(buckets)
         store.set("weights/manifest", manifest)
-        group = dist.refit_group(store, 0, R + 1, world.device)
+        group = refit.refit_group(store, 0, R + 1, world.device)
         nbytes = sum(b["nbytes"] for b in buckets)
         times = {arm: [] for arm in arms}
         blob = b""
@@ -96,7 +96,7 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
         engine = Engine(path, RolloutConfig(), 64, roles.devices.engine, private=True)
         local = dist.World(0, 1, 0, roles.devices.engine)  # vLLM's private world of one is this process's group
         policy = dist.shard(models.load_policy(path), local, torch.float32)
-        group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
+        group = refit.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))
         r = roles.global_rank
         try:

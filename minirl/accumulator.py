@@ -56,6 +56,11 @@ class Accumulator:
         self.skipped = 0        # windows abandoned for a non-finite loss or gradient
         self.step_s = 0.0       # wall time spent in clip + optimizer steps (MINIRL_PROFILE_LOOP)
 
+    def timer(self):
+        """For the profile: a function that gives the time spent in optimizer steps from now on."""
+        t0 = self.step_s
+        return lambda: {"optimizer_s": self.step_s - t0}
+
     def backward(self, loss: torch.Tensor, divisor: torch.Tensor | float) -> dict | None:
         """Backpropagate one call; close the window on its last and return `finish()`'s metrics."""
         finite = torch.isfinite(loss.detach())

@@ -1,5 +1,5 @@
-"""Checkpoints: sharded model and optimizer state (torch.distributed.checkpoint), the loop state
-beside it, and the final policy in Hugging Face format (safetensors).
+"""Checkpoints: sharded model and optimizer state (torch.distributed.checkpoint) and the loop state
+beside it; the final policy in Hugging Face format is the harness's (run.export_hf).
 
 Contract:
 - `save` writes `<dir>/step_<N>.tmp/`, fsyncs it, writes the COMPLETE marker last and renames
@@ -192,7 +192,7 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
     dist.barrier()
     if rank == 0:
         dist.fault("kill_in_save", steps_done)  # tests: die after the data, before the marker
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
             f.write(f"{steps_done}\n")
             f.flush()
@@ -391,80 +391,8 @@ def _tuple(x):
     return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
 
 
-SHARD_BYTES = 5 * 2**30  # like save_pretrained's default max_shard_size
-TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs, vocabularies, chat templates
-
-
-def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
-              dtype: torch.dtype | None = None, card: dict | None = None) -> None:
-    """Gather the full parameters (a collective: every rank calls) and, on rank 0, write `out_dir/`:
-    the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
-    run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
-    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card`, a README.md
-    model card. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
-    require_finite({"policy": model})
-    state = {}
-    for name, t in dist.full_parameters(model, dtype):
-        if is_main:
-            state[name] = t.to("cpu", copy=True).contiguous()
-    if not is_main:
-        return
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for f in os.listdir(source_path):
-        if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
-            shutil.copyfile(os.path.join(source_path, f), os.path.join(tmp, f))  # contents, not the cache's modes
-    _save_weights(state, tmp)
-    if card:
-        with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(_model_card(card))
-    for f in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, f), 0o644)
-    os.chmod(tmp, 0o755)
-    _fsync_tree(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
-
-
-def _save_weights(state: dict, folder: str) -> None:
-    shards, size = [[]], 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    if len(shards) == 1:
-        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-def model_card(algorithm: str, args, steps: int, eval_accuracy: float | None) -> dict:
-    """What a run's final/README.md says about it."""
-    task = args.task.name if args.task.name == "count" else f"{args.task.name} ({args.task.path})"
-    return {"name": f"{os.path.basename(os.path.abspath(args.log.run_dir))} ({algorithm})",
-            "base model": args.model.path, "algorithm": algorithm, "task": task, "steps": steps,
-            "held-out accuracy (greedy, last evaluation)": "not evaluated" if eval_accuracy is None
-            else f"{eval_accuracy:.4f}", "dtype": args.model.dtype}
-
-
-def _model_card(card: dict) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in card.items())
-    return (f"# {card.get('name', 'minirl policy')}\n\nTrained with minirl (RL post-training in plain PyTorch).\n\n"
-            f"| | |\n| --- | --- |\n{rows}\n")
-
-
-def _fsync_tree(path: str) -> None:
+def fsync_tree(path: str) -> None:
+    """Every file under `path`, and the folders, on disk (before a rename or marker makes it count)."""
     for root, _, files in os.walk(path):
         for f in files:
             with open(os.path.join(root, f), "rb") as fh:

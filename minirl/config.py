@@ -136,6 +136,12 @@ class LogConfig:
     """Show the engine's own log lines (vLLM and its native libraries) in the console; by default they
     go to <run dir>/engine.log (engine_rank<R>.log per rank when there are several)."""
 
+    def evaluates(self, version: int, steps: int) -> bool:
+        """Whether the policy after `version` updates is scored on the held-out prompts: before the
+        first update, every --log.eval-every, and after the last of `steps`. The one rule: every loop,
+        placement and rollout rank asks it."""
+        return bool(self.eval_every) and (version % self.eval_every == 0 or version == steps)
+
 
 @dataclass
 class CheckpointConfig:
@@ -147,6 +153,44 @@ class CheckpointConfig:
     """Empty = a fresh run; `auto` = the newest complete checkpoint in --checkpoint.dir (fresh if none); or a checkpoint folder."""
     dir: str = ""
     """Where checkpoints go (default: <run dir>/checkpoints)."""
+
+    def saves(self, steps_done: int, stepped: bool) -> bool:
+        """Whether a scheduled save follows the step that brings the run to `steps_done`: every
+        --checkpoint.every, and never after a step that took no update (a non-finite one)."""
+        return bool(self.every) and steps_done % self.every == 0 and stepped
+
+
+@dataclass
+class OptimConfig:
+    """What --rl.* (GRPO) and --ppo.* (the policy's, and the critic's where it says so) share: the
+    learning rate and its schedule, the clipped objective, the gradient clip, the stall rule, the hand-off."""
+
+    lr: float = 1e-4
+    """AdamW learning rate of the policy (the peak, after the warmup)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to min-lr-ratio x the peak at the run's last optimizer step."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's final learning rate, as a fraction of the peak."""
+    clip_eps: float = 0.2
+    """PPO ratio clip epsilon (the ratio's lower bound is 1 - this; PPO's value clip too)."""
+    clip_eps_high: float = 0.0
+    """Upper clip epsilon, DAPO's "clip-higher" (e.g. 0.28); 0 = the same as clip-eps."""
+    dual_clip: float = 0.0
+    """Dual clip c > 1 (verl's clip_ratio_c, e.g. 3): a negative-advantage token's loss is at most -c x A; 0 = off."""
+    kl_coef: float = 0.0
+    """Weight of a k3 KL penalty to the starting policy (a frozen reference model); 0 = none."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this after normalization (0 = no clip)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps whose updates were all skipped as non-finite."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the engine's sampling logprobs as pi_old instead of the trainer's own (on GPUs they differ:
+    bf16 kernels; the step's `logprob_gap` in metrics.jsonl shows by how much)."""
+    colocated_offload: bool = True
+    """Colocated: hand the card between engine and trainer each step (the engine sleeps while the
+    trainer runs, the trainer is offloaded while the engine generates)."""
 
 
 @dataclass
@@ -195,10 +239,9 @@ def _check_numbers(obj, prefix: str = "--") -> None:
 
 
 def _check_run(args) -> None:
-    """The checks GRPO and PPO share: every number's range, sampling, task file, checkpoint and log
-    flags, the run directory (a file, not writable, or holding a run that is neither resumed nor
-    overwritten), the dry run's world."""
-    _check_numbers(args)
+    """The checks GRPO and PPO share, after `_check_numbers`: the sizes, sampling, task file, checkpoint
+    and log flags, the run directory (a file, not writable, or holding a run that is neither resumed
+    nor overwritten), the dry run's world."""
     t, r = args.model.tiny, args.rollout
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
         _positive(f"--model.tiny.{name.replace('_', '-')}", getattr(t, name))
@@ -210,8 +253,7 @@ def _check_run(args) -> None:
         raise ConfigError("--log.run-dir is empty; give a directory")
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise ConfigError(f"--checkpoint.dir={args.checkpoint_dir!r} is a file; give a directory")
-    if args.dry_run_world_size < 0 or args.dry_run_card_gib <= 0:
-        raise ConfigError("--dry-run-world-size must be >= 0 and --dry-run-card-gib > 0")
+    _positive("--dry-run-card-gib", args.dry_run_card_gib)
     if args.log.overwrite and args.checkpoint.resume:
         raise ConfigError(f"--log.overwrite starts over and --checkpoint.resume={args.checkpoint.resume!r} continues: "
                           "give one of them")
@@ -226,7 +268,6 @@ def _check_run(args) -> None:
                                     ("--log.wandb-project", args.log.wandb_project, "wandb", "wandb")):
         if on and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{flag} needs {module}: pip install -e '.[{extra}]'")
-    _at_least("--log.eval-every", args.log.eval_every, 0)
     _check_run_dir(args)
     if not 0.0 < args.rollout.temperature:
         raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
@@ -239,10 +280,7 @@ def _check_run(args) -> None:
     if args.task.eval_path and not os.path.isfile(args.task.eval_path):
         raise ConfigError(f"--task.eval-path={args.task.eval_path!r} is not a file; "
                           "give a JSONL file or leave it empty")
-    from minirl.rewards import scorer
-    scorer(args.task)  # imports every --task.reward function now, not after the models are built
-    if args.checkpoint.every < 0 or args.checkpoint.keep < 1:
-        raise ConfigError("--checkpoint.every must be >= 0 and --checkpoint.keep >= 1")
+    _at_least("--checkpoint.keep", args.checkpoint.keep, 1)
     if args.checkpoint.resume not in ("", "auto") and not os.path.isdir(args.checkpoint.resume):
         raise ConfigError(f"--checkpoint.resume={args.checkpoint.resume!r} is not a folder; "
                           "give a checkpoint folder, `auto`, or leave it empty")
@@ -268,7 +306,6 @@ def _check_optimization(group: str, c) -> None:
     _at_least(f"--{group}.clip-eps-high", c.clip_eps_high, 0)
     if c.dual_clip and not c.dual_clip > 1:
         raise ConfigError(f"--{group}.dual-clip={c.dual_clip} must be > 1 (e.g. 3), or 0 for off")
-    _at_least(f"--{group}.lr-warmup-steps", c.lr_warmup_steps, 0)
     if not 0 <= c.min_lr_ratio <= 1:
         raise ConfigError(f"--{group}.min-lr-ratio={c.min_lr_ratio} must be in [0, 1]")
 

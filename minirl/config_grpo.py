@@ -7,16 +7,16 @@ B11 in docs/invariants.md); `validate()` checks divisibility at every level and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import tyro
 
-from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, RolloutConfig,
-                           TaskConfig, _at_least, _check_optimization, _check_run, _positive)
+from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, OptimConfig,
+                           RolloutConfig, TaskConfig, _at_least, _check_numbers, _check_optimization, _check_run,
+                           _positive)
 
 
 @dataclass
-class RLConfig:
+class RLConfig(OptimConfig):
     group_size: int = 8
     """Samples per prompt (G); advantages are taken within each group."""
     batch_per_replica: int = 32
@@ -34,42 +34,19 @@ class RLConfig:
     grad_accum: tyro.conf.Suppress[int] = 1
     """Retired for GRPO (B11): the accumulation count is derived; not a flag (launch.parse refuses it by
     name, pointing at --rl.micro-batch-per-replica), and a config file that sets it is refused too."""
-    lr: float = 1e-4
-    """AdamW learning rate (the peak, after --rl.lr-warmup-steps)."""
-    lr_warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to --rl.lr."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After warmup: constant, or cosine decay to --rl.min-lr-ratio x lr at the run's last optimizer step."""
-    min_lr_ratio: float = 0.0
-    """The cosine schedule's final learning rate, as a fraction of --rl.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this after normalization (0 = no clip)."""
-    clip_eps: float = 0.2
-    """PPO ratio clip epsilon (the ratio's lower bound is 1 - this)."""
-    clip_eps_high: float = 0.0
-    """Upper clip epsilon, DAPO's "clip-higher" (e.g. 0.28); 0 = the same as --rl.clip-eps."""
-    dual_clip: float = 0.0
-    """Dual clip c > 1 (verl's clip_ratio_c, e.g. 3): a negative-advantage token's loss is at most -c x A; 0 = off."""
-    kl_coef: float = 0.0
-    """Weight of the KL-to-reference penalty (0 = no reference model)."""
-    max_skipped_steps: int = 3
-    """Stop the run after this many consecutive steps whose updates were all skipped as non-finite."""
     scale_by_std: bool = True
     """Divide group advantages by the group's reward std."""
-    use_rollout_logprobs_for_loss: bool = False
-    """Use the engine's sampling logprobs as pi_old instead of recomputing them in the trainer."""
     deterministic: bool = False
     """Turn on torch's deterministic algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG must be set at launch)."""
-    colocated_offload: bool = True
-    """Colocated: hand the card between engine and trainer each step (sleep / offload)."""
 
 
 @dataclass
 class GRPOArgs(Launch):
     """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
 
+    LOOP = "grpo"  # the loop these flags start (checkpoints record it)
     REFUSED = {  # flags GRPO does not have, and what to use instead (launch.parse)
         "--rl.grad-accum": "--rl.grad-accum is retired for GRPO: the accumulation count is derived. Set "
                            "--rl.micro-batch-per-replica to accumulate gradients over smaller chunks",
@@ -116,6 +93,7 @@ class GRPOArgs(Launch):
     def validate(self, world_size: int = 1) -> "GRPOArgs":
         """Raise ConfigError naming the flag for anything the run cannot do. Cheap: no I/O but stat()."""
         rl = self.rl
+        _check_numbers(self)  # every count >= 0 and every float finite, first
         _positive("--steps", self.steps)
         _positive("--rl.group-size", rl.group_size)
         _positive("--rollout.max-tokens", self.rollout.max_tokens)
@@ -128,13 +106,7 @@ class GRPOArgs(Launch):
                 f"--rl.grad-accum={rl.grad_accum} is retired for GRPO: the accumulation count is derived. "
                 f"Set --rl.micro-batch-per-replica (e.g. {rl.batch_per_replica // 2}) to accumulate gradients "
                 "over smaller forward/backward chunks.")
-        for flag, val in (("--rl.mini-batch-per-replica", rl.mini_batch_per_replica),
-                          ("--rl.micro-batch-per-replica", rl.micro_batch_per_replica)):
-            if val < 0:
-                raise ConfigError(f"{flag}={val} must be >= 0 (0 = the whole level above)")
         _positive("--rl.mu-iterations", rl.mu_iterations)
-        if rl.max_tokens_per_micro_batch < 0:
-            raise ConfigError(f"--rl.max-tokens-per-micro-batch={rl.max_tokens_per_micro_batch} must be >= 0")
         if rl.max_tokens_per_micro_batch and rl.micro_batch_per_replica:
             raise ConfigError("set one of --rl.micro-batch-per-replica (fixed rows) and "
                               "--rl.max-tokens-per-micro-batch (token budget), not both")

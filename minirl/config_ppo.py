@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, RolloutConfig,
-                           TaskConfig, _at_least, _check_optimization, _check_run, _positive)
+from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, OptimConfig,
+                           RolloutConfig, TaskConfig, _check_numbers, _check_optimization, _check_run, _positive)
 
 
 @dataclass
@@ -23,7 +23,7 @@ class AdvEstimatorConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(OptimConfig):
     num_prompts_per_step: int = 16
     """Prompt groups per step (P)."""
     num_generations_per_prompt: int = 4
@@ -34,39 +34,14 @@ class PPOConfig:
     """Critic epochs per step, each over the whole assembled batch."""
     critic_warmup_steps: int = 0
     """First steps that train only the critic (no policy update, no refit)."""
-    lr: float = 1e-4
-    """Policy AdamW learning rate (the peak, after --ppo.lr-warmup-steps)."""
     value_lr: float = 1e-4
     """Critic AdamW learning rate (the peak; the same schedule as the policy's)."""
-    lr_warmup_steps: int = 0
-    """Steps of linear warmup from 0 to the learning rates."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After warmup: constant, or cosine decay to --ppo.min-lr-ratio x lr at the last step."""
-    min_lr_ratio: float = 0.0
-    """The cosine schedule's final learning rate, as a fraction of the peak."""
-    clip_eps: float = 0.2
-    """PPO ratio clip (lower: 1 - this) and value clip."""
-    clip_eps_high: float = 0.0
-    """Upper ratio clip epsilon, DAPO's "clip-higher"; 0 = the same as --ppo.clip-eps."""
-    dual_clip: float = 0.0
-    """Dual clip c > 1 (verl's clip_ratio_c): a negative-advantage token's loss is at most -c x A; 0 = off."""
-    kl_coef: float = 0.0
-    """Weight of a k3 KL penalty to the starting policy (a frozen reference model); 0 = none."""
-    max_grad_norm: float = 1.0
-    """Clip each model's gradient norm after normalization (0 = no clip)."""
-    max_skipped_steps: int = 3
-    """Stop the run after this many consecutive steps whose policy update was skipped as non-finite."""
     policy_micro_batch_rows: int = 0
     """Rows per policy forward/backward on each train rank, within a chunk (0 = the whole chunk); the
     step stays exact at any size (deferred normalization). Lower it if the policy runs out of memory."""
     critic_micro_batch_rows: int = 0
     """Rows per critic forward/backward on each train rank (0 = all of them at once); exact at any
     size, as for the policy. Lower it if critic training runs out of memory."""
-    use_rollout_logprobs_for_loss: bool = False
-    """Use the engine's sampling logprobs as pi_old instead of the trainer's own (on GPUs they differ:
-    bf16 kernels; the step's `logprob_gap` in metrics.jsonl shows by how much)."""
-    colocated_offload: bool = True
-    """Colocated full batch: the engine sleeps while policy and value train (CUDA frees its memory)."""
     adv_estimator: AdvEstimatorConfig = field(default_factory=AdvEstimatorConfig)
 
 
@@ -91,6 +66,7 @@ class AsyncRLConfig:
 class PPOArgs(Launch):
     """PPO with a critic; the train ranks start on completed groups while the rest still generate."""
 
+    LOOP = "ppo"  # the loop these flags start (checkpoints record it)
     steps: int = 20
     """Policy steps to run."""
     seed: int = 0
@@ -110,6 +86,7 @@ class PPOArgs(Launch):
 
     def validate(self, world_size: int) -> "PPOArgs":
         p, a = self.ppo, self.async_rl
+        _check_numbers(self)  # every count >= 0 and every float finite, first
         _positive("--steps", self.steps)
         _positive("--ppo.num-prompts-per-step", p.num_prompts_per_step)
         _positive("--ppo.num-generations-per-prompt", p.num_generations_per_prompt)
@@ -139,16 +116,9 @@ class PPOArgs(Launch):
         if p.num_prompts_per_step % dp:
             raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "
                               f"{dp} train rank(s)")
-        if a.rollout_groups_per_call < 1 or a.sampler.max_lookahead_versions < 0:
-            raise ConfigError("--async-rl.rollout-groups-per-call must be >= 1 and "
-                              "--async-rl.sampler.max-lookahead-versions >= 0")
-        for flag, rows in (("--ppo.policy-micro-batch-rows", p.policy_micro_batch_rows),
-                           ("--ppo.critic-micro-batch-rows", p.critic_micro_batch_rows)):
-            if rows < 0:
-                raise ConfigError(f"{flag}={rows} must be >= 0 (0 = all rows at once)")
+        _positive("--async-rl.rollout-groups-per-call", a.rollout_groups_per_call)
         _check_optimization("ppo", p)
         _positive("--ppo.value-lr", p.value_lr)
-        _at_least("--ppo.critic-warmup-steps", p.critic_warmup_steps, 0)
         for flag, v in (("--ppo.adv-estimator.gamma", p.adv_estimator.gamma), ("--ppo.adv-estimator.lam",
                                                                                p.adv_estimator.lam)):
             if not 0 <= v <= 1:

@@ -1,7 +1,7 @@
-"""The torchrun world: process groups, devices, seeds, rank roles and FSDP2 wrapping.
+"""The torchrun world: process groups, devices, seeds and FSDP2 wrapping.
 
-Every torch.distributed set-up call in minirl lives here; the rest of the code asks this
-module for the rank, the device and the collectives and never which backend it runs on.
+Every torch.distributed set-up call in minirl lives here (disaggregated placement's in refit.py); the
+rest of the code asks for the rank, the device and the collectives and never which backend it runs on.
 
 - Devices: `device_map` is the one pure function from a rank's place in the launch to its
   trainer and engine devices. Colocated: both on the rank's own card. Disaggregated: every
@@ -13,11 +13,10 @@ module for the rank, the device and the collectives and never which backend it r
 - Under torchrun the default group spans all ranks. Without a launcher
   (`python -m minirl.grpo`) `init()` makes a world of one with the same environment torchrun
   would set, so one code path serves both.
-- `grid.gpu_placement=colocated`: every rank generates and trains.
-  `disaggregated`: ranks [0, R) generate only, [R, N) train only. vLLM hangs if it is built
-  on some ranks of a group that spans all of them, so under disaggregated placement each side
-  forms its own group on its own port and the two sides talk through a TCPStore
-  (`init_disaggregated`); a rollout rank's engine gets a private world of one.
+- `grid.gpu_placement=colocated`: every rank generates and trains. `disaggregated` (PPO): ranks
+  [0, R) generate only, [R, N) train only; its wiring (rank roles, the train group, the refit group,
+  the run's store) is refit.py's, beside the refit it serves. A rollout rank's engine gets a private
+  world of one (`private_world`).
 - FSDP2 (`shard`): float32 master weights and optimizer state, compute in `--model.dtype`,
   gradients reduced in float32.
 """
@@ -25,7 +24,6 @@ module for the rank, the device and the collectives and never which backend it r
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import random
@@ -161,9 +159,14 @@ def _check_served(t: torch.Tensor, group=None) -> None:
                            f"{sorted(served)} (backend {dist.get_backend_config(group)!r})")
 
 
-def _set_device(device: torch.device) -> None:
+def place(device: torch.device, local_world: int, rank: int, store: str | None) -> None:
+    """This process's card (CUDA) or its share of the host's cores (CPU), and what a rank that loses a
+    peer names (`lost_peer`): its global rank and the run's store."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # ranks sharing a CPU slow each other down badly with a full thread pool each (2 x 2 on 2 cores: 18x)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    _here.update(rank=rank, store=store)
 
 
 def init() -> World:
@@ -174,13 +177,8 @@ def init() -> World:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     devices = device_map(rank, local_rank, world, 0, "colocated", device_type())
-    _set_device(devices.trainer)
-    if devices.trainer.type == "cpu":
-        # Ranks sharing a CPU slow each other down badly when each spawns a full thread pool
-        # (2 x 2 threads on 2 cores was ~18x slower than 2 x 1).
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    _here.update(rank=rank, store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if world > 1 else None)
+    place(devices.trainer, int(os.environ.get("LOCAL_WORLD_SIZE", world)), rank,
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if world > 1 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(devices.trainer.type), rank=rank, world_size=world,
                                 device_id=devices.trainer if devices.trainer.type == "cuda" else None)
@@ -254,80 +252,11 @@ def private_world(device: torch.device, port: int | None = None):
                 os.environ[k] = v
 
 
-@dataclass(frozen=True)
-class Roles:
-    """Which side(s) a torchrun rank plays. Colocated: both; disaggregated: exactly one."""
-
-    global_rank: int
-    global_world: int
-    rollout_ranks: int  # R; 0 when colocated
-    devices: Devices | None = None
-
-    @property
-    def colocated(self) -> bool:
-        return self.rollout_ranks == 0
-
-    @property
-    def generates(self) -> bool:
-        return self.colocated or self.global_rank < self.rollout_ranks
-
-    @property
-    def trains(self) -> bool:
-        return self.colocated or self.global_rank >= self.rollout_ranks
-
-    @property
-    def train_ranks(self) -> list[int]:
-        return list(range(self.rollout_ranks, self.global_world))
-
-
-def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[Roles, World | None, dist.TCPStore]:
-    """Disaggregated start-up (call INSTEAD of `init()` under torchrun).
-
-    Every rank joins one TCPStore at MASTER_ADDR, port MASTER_PORT + `store_port_offset`, hosted
-    by global rank 0: torchrun puts global rank 0 on the host MASTER_ADDR names, on any number of
-    nodes, so the host every rank dials is the one that serves. The two sides exchange groups and
-    announcements through it. Train ranks [R, N) form the default process group among themselves
-    on that same store (under the prefix `train/`), wherever train rank 0 runs; rollout ranks form
-    none (each later builds its engine in a `private_world`). Returns (roles, train World or None, store).
-    """
-    g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    devices = device_map(g_rank, local_rank, g_world, rollout_ranks, "disaggregated", device_type())
-    roles = Roles(g_rank, g_world, rollout_ranks, devices)
-    _set_device(devices.trainer or devices.engine)
-    if (devices.trainer or devices.engine).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", g_world))))
-    addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-    # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
-    _here.update(rank=g_rank, store=f"{addr}:{base + store_port_offset}")
-    store = dist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
-                          timeout=datetime.timedelta(minutes=30))
-    if not roles.trains:
-        return roles, None, store
-    t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks
-    device = devices.trainer
-    dist.init_process_group(backend_for(device.type), store=dist.PrefixStore("train/", store), rank=t_rank,
-                            world_size=t_world, device_id=device if device.type == "cuda" else None)
-    os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
-    return roles, World(t_rank, t_world, local_rank, device), store
-
-
 # ---- peers on other hosts: a lost one is named, never waited on ----
 
 class PeerLost(RuntimeError):
     """A peer rank, its node, or the run's store stopped answering: `launch.run` prints this as one
     line (which rank, what it lost, at which address) and exits 4."""
-
-
-def host_address(peer: str) -> str:
-    """This host's address on the route to `peer` (a UDP connect sends nothing): what a peer on
-    another node knows this host by, unlike `gethostname()`, which may resolve to loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostname()
 
 
 def lost_peer(e: BaseException) -> PeerLost | None:
@@ -345,50 +274,6 @@ def lost_peer(e: BaseException) -> PeerLost | None:
     store = f"; the run's store is at {_here['store']} (global rank 0, on the node MASTER_ADDR names)" \
         if _here["store"] else ""
     return PeerLost(f"{who} lost a peer: {what}{store}")
-
-
-def store_client(store: dist.TCPStore) -> dist.TCPStore:
-    """Another connection to the same TCPStore (for a thread of its own)."""
-    return dist.TCPStore(store.host, store.port, is_master=False, use_libuv=True)
-
-
-# ---- the refit group: trainer rank 0 and the rollout ranks ----
-
-@dataclass
-class PointGroup:
-    """A process group outside torch's registry: each side's default group excludes the other
-    side, so the members build this one directly on the run's TCPStore. Rank 0 is train rank 0
-    (the rank that gathers the full parameters); ranks 1..R are the rollout ranks."""
-
-    backend: object          # torch's ProcessGroupGloo / ProcessGroupNCCL
-    device: torch.device     # the one device type it takes tensors on
-    rank: int
-    size: int
-
-    def broadcast(self, t: torch.Tensor, src: int = 0):
-        """Start a broadcast of `t` from member `src`; returns its work (`.wait()` before using `t`)."""
-        if t.device.type != self.device.type:
-            raise RuntimeError(f"refit group: a {t.device.type} tensor on a group of {self.device.type} members")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        return self.backend.broadcast([t], opts)
-
-
-def refit_group(store: dist.Store, rank: int, size: int, device: torch.device,
-                timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> PointGroup:
-    """Join the refit group (a rendezvous: returns once all `size` members have called it).
-
-    gloo on CPU; NCCL on CUDA, each member on its own card from device_map. Built the way torch
-    builds a group's backend (torch 2.13 distributed_c10d._new_process_group_helper)."""
-    prefix = dist.PrefixStore("refit/", store)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = False
-        opts._timeout = timeout
-        backend = dist.ProcessGroupNCCL(prefix, rank, size, opts)
-    else:
-        backend = dist.ProcessGroupGloo(prefix, rank, size, timeout)
-    return PointGroup(backend, device, rank, size)
 
 
 # ---- FSDP2 ----

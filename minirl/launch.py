@@ -1,4 +1,4 @@
-"""The command line of every entrypoint: flags (with `--config FILE`) in, an exit code out.
+"""The command layer: flags (with `--config FILE`) in, every check before a loop starts, an exit code out.
 
 - `parse(cls, argv, description)`: tyro's flags for the dataclass `cls`. `--config FILE` (YAML or
   JSON, nested like the flags: `{"rl": {"lr": 1e-5}}`) gives the defaults and the flags beside it
@@ -7,25 +7,41 @@
   refuse, is an error naming it. A file never sets the run's own switches (`--log.run-dir`,
   `--log.overwrite`, `--checkpoint.resume`, `--checkpoint.dir`): rerunning another run's config.json
   must not write into, resume or wipe that run. YAML aliases and files over 1 MiB are refused.
+- `preflight(cls, argv, description, loop)`: what a loop starts from, every check done first, before
+  any model, engine or process group is built: the flags and `--config`, the `--dry-run` branch (the
+  only way into the tools, minirl/tools/, and lazily), validation for the launch's world, the model
+  folder and what the engine can run, the task (its prompts checked, its reward functions imported),
+  the checkpoint to resume, and the run directory's claim (`claim`).
+- `claim(args, resume)`: one live run owns a run directory (a kernel lock, `<run dir>/.lock`, that dies
+  with its process; a second run on it exits 2 naming the holder); `--checkpoint.resume auto` in a run
+  directory that holds a run but no complete checkpoint is refused; `--log.overwrite` removes the old
+  run's metrics, config, final/, logs and its checkpoints first, so neither a resume nor a prune ever
+  mixes two runs. (The checks that need no lock are `config._check_run_dir`, in every `validate`.)
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
   through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 3 with one
   line when a run stopped because it could no longer learn; 4 with one line when a rank lost a peer
   (another rank, its node, or the run's store; `dist.lost_peer`); and the process group is torn down
-  before the process leaves (without the interpreter's teardown, see `run`).
+  before the process leaves (without the interpreter's teardown, see `leave`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
+import shutil
 import sys
 import typing
+from dataclasses import dataclass
 
 import tyro
 
+from minirl import checkpoint, dist, models, tasks
+from minirl.accumulator import StalledError
 from minirl.config import ConfigError
+from minirl.rollout import check_model
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -64,7 +80,7 @@ def _read(path: str) -> dict:
     return data
 
 
-def _fill(instance, data: dict, where: str, lenient: bool = False):
+def fill(instance, data: dict, where: str, lenient: bool = False):
     """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
     against its field's type as the flag's parser would (`_typed`). `lenient`: skip what this
     command does not have (another command's run config), instead of refusing it."""
@@ -80,7 +96,7 @@ def _fill(instance, data: dict, where: str, lenient: bool = False):
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
-            _fill(current, value, f"{where}{key}.", lenient)
+            fill(current, value, f"{where}{key}.", lenient)
         else:
             setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
     return instance
@@ -140,16 +156,63 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
             for section, key in PER_RUN:  # this run's own, never another's (a config.json reruns a recipe)
                 if isinstance(data.get(section), dict):
                     data[section].pop(key, None)
-            default = _fill(cls(), data, "", lenient)
+            default = fill(cls(), data, "", lenient)
             default.config = path
             break
     return tyro.cli(cls, args=argv, default=default, description=description)
 
 
+@dataclass
+class Ready:
+    """What a loop starts from, every check done (`preflight`)."""
+
+    args: object         # GRPOArgs or PPOArgs, validated for this launch's world
+    path: str            # the model's folder
+    tok: object          # its tokenizer
+    task: object         # the prompts, checked against the prompt budget, with their scorer
+    resume: str | None   # the checkpoint to resume from, checked from its files, or None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.args.rollout.max_prompt_tokens + self.args.rollout.max_tokens
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+
+
+def preflight(cls, argv: list[str] | None, description: str, loop) -> Ready | None:
+    """Parse and check everything a run of `loop` (the loop's module) needs, in the order a bad input is
+    cheapest to find; None after a dry run (nothing was loaded or built, the plan was printed)."""
+    args = parse(cls, argv, description)
+    if args.dry_run:  # the tools' one door: the plan (and the rehearsal), or the rehearsal's child run
+        if os.environ.get("MINIRL_REHEARSAL_CHILD") == "1":
+            from minirl.tools import rehearse
+            rehearse.child(args, loop)
+            return None
+        from minirl.tools import plan
+        plan.dry_run(args)
+        if args.rehearse and int(os.environ.get("RANK", 0)) == 0:  # one process rehearses train rank 0
+            from minirl.tools import rehearse
+            rehearse.run(sys.argv[1:] if argv is None else argv, cls.LOOP)
+        return None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    args.validate(world_size)
+    path = models.resolve_path(args.model)
+    ready = Ready(args, path, None, None, None)
+    check_model(path, args.rollout, ready.max_model_len, head_dim_flag="--model.tiny.num-heads")
+    ready.tok = models.load_tokenizer(path)
+    ready.task = tasks.make_task(args.task, args.seed, ready.tok, args.rollout.max_prompt_tokens,
+                                 evaluates=bool(args.log.eval_every))  # every prompt and reward function
+    disaggregated = args.grid.gpu_placement == "disaggregated"
+    train_ranks = world_size - (args.grid.rollout_ranks if disaggregated else 0)
+    ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps)
+    claim(args, ready.resume)
+    return ready
+
+
 def run(name: str, main, argv: list[str] | None = None) -> None:
     """Run `main(argv)` as a command: exit codes and one-line errors (the module docstring)."""
-    from minirl import checkpoint, dist
-    from minirl.accumulator import StalledError
     code = 0
     try:
         main(argv)
@@ -180,3 +243,70 @@ def leave(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# ---- the run directory: one live run owns it ----
+
+_held: dict[str, object] = {}  # run dir -> its open lock file, kept open (and locked) until the process exits
+
+OLD_RUN = ("metrics.jsonl", "metrics.jsonl.tmp", "samples.jsonl", "samples.jsonl.tmp", "config.json", "final",
+           "final.tmp", "tensorboard", "wandb", "wandb_run_id", "curve.png")
+
+
+def holds_run(run_dir: str) -> bool:
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    return os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+
+
+def claim(args, resume: str | None) -> None:
+    """Own `args.log.run_dir` for this run (global rank 0 only; other ranks return at once)."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    d = args.log.run_dir
+    os.makedirs(d, exist_ok=True)
+    lock(d)
+    if args.log.overwrite:
+        clear(d, args.checkpoint_dir)
+    elif args.checkpoint.resume == "auto" and resume is None and holds_run(d):
+        raise ConfigError(f"--checkpoint.resume auto: {d!r} holds a run but {args.checkpoint_dir!r} has no complete "
+                          "checkpoint to resume; start over with --log.overwrite, or pick another --log.run-dir")
+
+
+def lock(run_dir: str) -> None:
+    path = os.path.abspath(os.path.join(run_dir, ".lock"))
+    if path in _held:
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"--log.run-dir={run_dir!r} is in use by a live run ({holder}); wait for it to end, "
+                          "or pick another --log.run-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    f.flush()
+    _held[path] = f
+
+
+def clear(run_dir: str, checkpoint_dir: str) -> None:
+    """--log.overwrite: remove what an old run left (never anything else in the folder)."""
+    for name in os.listdir(run_dir):
+        if name in OLD_RUN or name.startswith("engine") and name.endswith(".log"):
+            _remove(os.path.join(run_dir, name))
+    if os.path.isdir(checkpoint_dir):
+        for name in os.listdir(checkpoint_dir):
+            if name.startswith("step_"):
+                _remove(os.path.join(checkpoint_dir, name))
+        if not os.listdir(checkpoint_dir):
+            os.rmdir(checkpoint_dir)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)

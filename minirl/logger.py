@@ -1,6 +1,11 @@
 """The run log: phase timers, one metrics.jsonl record per step, one console line per step, and
 every eval's held-out completions in samples.jsonl.
 
+Phases (`RunLog.phase`) are timed into `time/<name>`. Under `MINIRL_PROFILE_LOOP=1` each phase's end is
+also a profile mark (`mark`: its wall time and the device's memory, B27), and so is each finer step that
+marks itself inside one (the colocated hand-off's sleep, onload, sync ...); the step's marks go into its
+record as `<loop>_step`.
+
 Only rank 0 writes. Records are flushed line by line, so a crashed run keeps every finished
 step. A resumed run keeps the steps before its checkpoint: each history is rewritten to a
 temporary file, fsynced and renamed over metrics.jsonl (and samples.jsonl) before anything slow
@@ -29,10 +34,13 @@ from minirl.config import ConfigError
 
 class RunLog:
     def __init__(self, run_dir: str, enabled: bool, every: int = 1, start_step: int = 0, tensorboard: bool = False,
-                 wandb_project: str = "", config: dict | None = None, total_steps: int = 0, samples: int = 2):
+                 wandb_project: str = "", config: dict | None = None, total_steps: int = 0, samples: int = 2,
+                 device: torch.device | None = None):
         self.run_dir, self.enabled, self.every, self.total, self.shown = run_dir, enabled, every, total_steps, samples
         self.start_step, self._evals = start_step, 0
         self.times: dict[str, float] = {}
+        self.profiling = os.environ.get("MINIRL_PROFILE_LOOP") == "1"
+        self.device, self.profile, self._t = device or torch.device("cpu"), {}, time.perf_counter()
         self.step_times: list[float] = []  # for the ETA
         self._file = self._samples = self._tb = self._wandb = None
         if enabled and tensorboard:
@@ -62,10 +70,11 @@ class RunLog:
             self._samples = _history(os.path.join(run_dir, "samples.jsonl"), start_step)
 
     @contextlib.contextmanager
-    def phase(self, name: str, announce: str = ""):
-        """Time a phase of the current step into `time/<name>` (accumulates if entered twice).
-        `announce`: a long one-off phase says what it is doing, and when it is done."""
-        t0 = time.perf_counter()
+    def phase(self, name: str, announce: str = "", extra=None):
+        """Time a phase of the current step into `time/<name>` (accumulates if entered twice), and mark
+        its end in the profile unless a finer mark closed inside it. `announce`: a long one-off phase
+        says what it is doing, and when it is done. `extra()`: more numbers for the phase's mark."""
+        t0, marks = time.perf_counter(), len(self.profile.get("phases", ()))
         if announce:
             self.info(f"{announce} ...")
         try:
@@ -75,6 +84,33 @@ class RunLog:
             self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + dt
             if announce:
                 self.info(f"{announce}: done in {dt:.1f} s")
+            if len(self.profile.get("phases", ())) == marks:
+                self.mark(name, **(extra() if extra else {}))
+
+    def mark(self, boundary: str, **extra: float) -> None:
+        """MINIRL_PROFILE_LOOP=1: close the profile's phase ending at `boundary`: its wall time, the
+        device's memory now (CUDA: allocated and reserved; CPU: the process's RSS), any `extra` numbers."""
+        if not self.profiling:
+            return
+        now = time.perf_counter()
+        self.profile.setdefault("phases", []).append(boundary)
+        self.profile[f"{boundary}/s"] = round(now - self._t, 6)
+        self.profile.update({f"{boundary}/{k}": round(v, 6) for k, v in extra.items()})
+        self._t = now
+        if self.device.type == "cuda":
+            self.profile[f"{boundary}/allocated_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
+            self.profile[f"{boundary}/reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
+        else:
+            import psutil  # CPU runs only (a bare CUDA box may lack it)
+            self.profile[f"{boundary}/rss_mib"] = psutil.Process().memory_info().rss / 2**20
+
+    def begin_step(self) -> None:
+        self.profile, self._t = {}, time.perf_counter()
+
+    def take_profile(self) -> dict | None:
+        """The step's profile record (None unless profiling), and a fresh one for the next step."""
+        out, self.profile = (self.profile if self.profiling else None), {}
+        return out
 
     def write(self, record: dict) -> None:
         """Append one record (plus this step's phase times) and print the console line. An eval's

@@ -1,39 +1,27 @@
-"""Policy, value and reference models, and the built-in tiny model, all loaded one way.
+"""Policy, value and reference models, all loaded one way, and the chosen tokens' logprobs.
 
 Contract: every model comes from a local Hugging Face folder. `resolve_path` turns
-`--model.path` (a folder, a hub name, or `tiny`) into that folder BEFORE anything heavy is
-built, so a bad path fails fast; the trainer and the vLLM engine then read the same folder.
-The tiny model is a Qwen2 with a character-level tokenizer built with `tokenizers` (no
-download), given a deliberately rough supervised warm start on the built-in task
-(tasks.warm_start), and written once with `save_pretrained` into a cache folder.
+`--model.path` (a folder, a hub name, or `tiny`: the built-in task's model, tasks.build_tiny) into
+that folder BEFORE anything heavy is built, so a bad path fails fast; the trainer and the vLLM
+engine then read the same folder.
 
 Shapes: B sequences, T tokens, V vocab.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minirl import packing
-from minirl.config import TINY, ConfigError, ModelConfig, TinyModelConfig
-from minirl.packing import Layout
+from minirl import batch
+from minirl.batch import Layout
+from minirl.config import TINY, ConfigError, ModelConfig
 
-# The tiny tokenizer's alphabet: one token per character, plus the specials.
-SPECIALS = ["<pad>", "<eos>", "<unk>"]
-ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
-
-
-def cache_dir() -> str:
-    return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
 
 
 def resolve_path(cfg: ModelConfig) -> str:
@@ -41,6 +29,7 @@ def resolve_path(cfg: ModelConfig) -> str:
     The folder is checked before anything is loaded: config.json parses, and every safetensors
     file holds all the bytes its header promises (a truncated download fails here, not mid-load)."""
     if cfg.path == TINY:
+        from minirl.tasks import build_tiny  # the built-in task's model
         return build_tiny(cfg.tiny)
     if os.path.isdir(cfg.path):
         check_folder(cfg.path)
@@ -95,52 +84,6 @@ def _check_safetensors(file: str) -> None:
         raise ConfigError(f"--model.path: {file} is not a readable safetensors file ({e})") from e
     if 8 + n + end > size:
         raise ConfigError(f"--model.path: {file} is truncated ({size} bytes of {8 + n + end}); download it again")
-
-
-# ---- the built-in tiny model ----
-
-def build_tiny(shape: TinyModelConfig) -> str:
-    """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
-    path = os.path.join(cache_dir(), f"tiny-{key}")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return path
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
-    tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
-                                  eos_token="<eos>", unk_token="<unk>")
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_positions, tie_word_embeddings=True,
-        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        rope_theta=10000.0, dtype="float32")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # the cached weights never depend on a run's seed
-        model = Qwen2ForCausalLM(config)
-        if shape.warm_start_steps:
-            from minirl.tasks import warm_start
-            warm_start(model, tok, shape.warm_start_steps)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another rank got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _char_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    return tok
 
 
 # ---- loading ----
@@ -309,16 +252,16 @@ def chunked_head_error(model: nn.Module) -> float | None:
 
 
 def packing_error(model: nn.Module) -> float | None:
-    """packing.exact on a float32 policy or critic: None when packed rows come out as alone."""
+    """batch.exact on a float32 policy or critic: None when packed rows come out as alone."""
     backbone = model.model if isinstance(model, ValueModel) else model
-    if packing.one_lane(backbone):  # flash kernels do not run on the host; transformers packs them by varlen
+    if batch.one_lane(backbone):  # flash kernels do not run on the host; transformers packs them by varlen
         return None
 
     def forward(ids, pos):
         out = backbone(input_ids=ids, position_ids=pos)
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
-    return packing.exact(forward, backbone.config.vocab_size)
+    return batch.exact(forward, backbone.config.vocab_size)
 
 
 # ---- the chosen tokens' log-probabilities, without the full-vocabulary logits at once ----
@@ -334,7 +277,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = Fa
     `entropy=True` also returns the entropy of each next-token distribution (B, T), from the same
     forward and without a gradient (a metric: how sure the policy is). `lengths` (B,): the rows'
     real lengths, host ints; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
-    padding-free (packing.py) and pad columns come back 0.
+    padding-free (batch.Layout) and pad columns come back 0.
 
     Memory: a Hugging Face causal LM ends with `logits = self.lm_head(hidden)`, (B, T, V). At a
     real vocabulary (151,936) those logits plus their float32 log-softmax cost more than the
@@ -383,7 +326,7 @@ def layout(model: nn.Module, input_ids: torch.Tensor, lengths) -> Layout | None:
     `lengths`: the rows' lengths as host ints (a list, or a CPU tensor)."""
     if computed_tokens(model, input_ids, lengths) >= input_ids.numel():
         return None
-    return Layout.of(_ints(lengths), input_ids.shape[1], packing.one_lane(model)).to(input_ids.device)
+    return Layout.of(_ints(lengths), input_ids.shape[1], batch.one_lane(model)).to(input_ids.device)
 
 
 def _ints(lengths) -> list[int]:
@@ -403,7 +346,7 @@ def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths) -> int:
     if lengths is None or not getattr(model, "pack_rows", False):
         return input_ids.numel()
     rows = _ints(lengths)
-    packed = sum(rows) if packing.one_lane(model) else packing.computed_tokens(rows)
+    packed = sum(rows) if batch.one_lane(model) else batch.computed_tokens(rows)
     return min(packed, input_ids.numel())
 
 

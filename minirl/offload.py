@@ -18,14 +18,12 @@ Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
 - `HandOff` drives the engine and the trainer in that order, and owns the checkpoint windows
   (B22-B23) and the exceptional-exit rule (B24). With `rl.colocated_offload=false`, or under
   disaggregated placement, it does nothing but the weight sync (B26).
-- `MINIRL_PROFILE_LOOP=1`: `profile(name)` samples device memory at each phase boundary
-  (CUDA: allocated and reserved; CPU: process RSS) into a per-step `grpo_step` record (B27).
+- `MINIRL_PROFILE_LOOP=1`: each hand-off step marks itself in the run log's profile (`mark`,
+  logger.RunLog.mark: time and device memory at every boundary, B27).
 """
 
 from __future__ import annotations
 
-import os
-import time
 
 import torch
 
@@ -146,16 +144,16 @@ class HandOff:
     """The colocated step cycle and checkpoint windows (B20-B26); every call is recorded in `events`."""
 
     def __init__(self, engine, trainer: TrainerOffload | None, weights, enabled: bool, sleep_level: int = 1,
-                 profile: "Profile | None" = None):
+                 mark=None):
         self.engine, self.trainer, self.weights = engine, trainer, weights  # weights(): (name, tensor) iterator
-        self.enabled, self.level, self.profile = enabled, sleep_level, profile
+        self.enabled, self.level, self.mark = enabled, sleep_level, mark  # mark(name): the run log's profile
         self.events: list[str] = []
 
     def _do(self, name: str, fn, *a) -> None:
         self.events.append(name)
         fn(*a)
-        if self.profile is not None:
-            self.profile.mark(name)
+        if self.mark is not None:
+            self.mark(name)
 
     def start_fresh(self) -> None:
         """A fresh run built engine and trainer side by side; the trainer leaves the card before the first draw."""
@@ -219,36 +217,3 @@ class HandOff:
         if not self.enabled:
             return
         dist.quietly(lambda: self._do("rollout.sleep", self.engine.sleep, self.level))  # reported, not raised
-
-
-class Profile:
-    """`MINIRL_PROFILE_LOOP=1`: phase times and device memory at every phase boundary (B27)."""
-
-    def __init__(self, device: torch.device):
-        self.enabled = os.environ.get("MINIRL_PROFILE_LOOP") == "1"
-        self.device, self.record, self._t = device, {}, time.perf_counter()
-
-    def begin_step(self) -> None:
-        self.record, self._t = {}, time.perf_counter()
-
-    def mark(self, boundary: str, **extra: float) -> None:
-        """Close the phase ending at `boundary`: its wall time, memory now, and any `extra` numbers."""
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        self.record.setdefault("phases", []).append(boundary)
-        self.record[f"{boundary}/s"] = round(now - self._t, 6)
-        self.record.update({f"{boundary}/{k}": round(v, 6) for k, v in extra.items()})
-        self._t = now
-        if self.device.type == "cuda":
-            self.record[f"{boundary}/allocated_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
-            self.record[f"{boundary}/reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
-        else:
-            import psutil  # CPU runs only (a bare CUDA box may lack it)
-            self.record[f"{boundary}/rss_mib"] = psutil.Process().memory_info().rss / 2**20
-
-    def take(self) -> dict | None:
-        if not self.enabled:
-            return None
-        out, self.record = self.record, {}
-        return out

@@ -1,9 +1,11 @@
 """Where PPO's groups come from: the two placements behind `ppo.train` (S13, S23).
 
 The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
-(yields (groups taken, this rank's group tensors)), `refit(version, policy)`, `release(step)`,
-`evals(version)`, `save(fn)`, `rollout_memory_gib()` (the rollout ranks' memory peak); and `start` (which runs a resumed run's checkpoint load when the
-placement allows it, B25), `stop`, `cleanup`, `close` around the run.
+(yields (groups taken, this rank's group tensors, batch.as_group)), `refit(version, policy)`,
+`times()` (the step's wait for its first chunk and its tail), `release(step)`, `evals(version)`,
+`save(fn)`, `rollout_memory_gib()` (the rollout ranks' memory peak); and `start` (which runs a
+resumed run's checkpoint load when the placement allows it, B25), `final_eval`, `stop`, `cleanup`,
+`close` around the run.
 
 - disaggregated (`StoreGroups` on the train ranks, `rollout_rank` on the others): ranks [0, R)
   only generate; ranks [R, N) only train. Rollout rank r generates the step's groups i with
@@ -24,7 +26,7 @@ placement allows it, B25), `stop`, `cleanup`, `close` around the run.
   groups with its own engine, which then sleeps through the whole update; the refit after critic
   training wakes it (S13).
 
-Groups cross the store as safetensors bytes, in parts (`put`, `take`): nothing is unpickled.
+Groups cross the store as safetensors bytes, in parts (`refit.put`, `refit.take`): nothing is unpickled.
 Shapes: P prompts, G samples per prompt, rows = groups x G.
 """
 
@@ -42,12 +44,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from minirl import dist, models, refit
+from minirl.batch import as_group
 from minirl.config_ppo import PPOArgs
 from minirl.logger import engine_log, memory_peak_gib
 from minirl.offload import HandOff, Together
-from minirl.rollout import Engine, Samples
+from minirl.refit import drop, put, take
+from minirl.rollout import Engine
 from minirl.sampler import Group, ReadyGroups
-from minirl.tasks import encode_prompt, held_out, make_task, prompt_id
+from minirl.tasks import held_out, prompt_id, scored
 
 POLL_S = 0.005
 
@@ -66,20 +70,22 @@ class StoreGroups:
     def __init__(self, args: PPOArgs, store, world: dist.World):
         self.args, self.store, self.world = args, store, world
         self.dtype = models.DTYPES[args.model.dtype]  # the engine's dtype; the masters are float32
-        self.next_eval, self.last_eval = 0, -1
-        self.t_all_ready = 0.0  # controller: when the step's last group became ready
+        self.next_eval, self.last_eval, self.start_step = 0, -1, 0
+        self.t = {}  # this step's moments: its start, its first chunk, its last group ready (the controller's)
         self.published: list[int] = []  # version keys still in the store
-        self.group, self.buckets = None, []
+        self.group, self.buckets, self.say = None, [], print
 
-    def start(self, step: int, policy, offload, load=None) -> None:
+    def start(self, step: int, policy, offload, load=None, say=print) -> None:
+        self.say, self.start_step = say, step
         if load is not None:  # a resumed run: no engine shares this card
             load()
+        say("waiting for the rollout ranks to build their engines ...")
         if self.world.is_main:  # the refit group's rendezvous waits for the rollout ranks' engines
             self.buckets = refit.manifest(policy, self.dtype)
             self.store.set("weights/manifest", json.dumps(self.buckets))
-            self.store.set("trainer/addr", dist.host_address(self.store.host))  # named by a rank that loses it
-            threading.Thread(target=_heartbeat, args=(dist.store_client(self.store),), daemon=True).start()
-            self.group = dist.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
+            self.store.set("trainer/addr", refit.host_address(self.store.host))  # named by a rank that loses it
+            threading.Thread(target=_heartbeat, args=(refit.store_client(self.store),), daemon=True).start()
+            self.group = refit.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
             self.store.set("start", str(step))
         if step:  # resumed: the rollout ranks start from the restored weights
             self.refit(step, policy)
@@ -88,15 +94,27 @@ class StoreGroups:
 
     def chunks(self, step: int, ready: ReadyGroups):
         waiting, dp = set(range(ready.num_prompts)), self.world.world_size
-        self.t_all_ready = 0.0
+        self.t = {"start": time.perf_counter()}
+        if step == self.start_step:
+            self.say(f"step {step}: waiting for the first completed groups from the rollout ranks ...")
         while ready.remaining:
             taken = _next_chunk(self.store, ready, waiting, step, self.world)  # (groups,) on every rank
-            if not waiting and not self.t_all_ready:
-                self.t_all_ready = time.perf_counter()
+            if not waiting:
+                self.t.setdefault("all_ready", time.perf_counter())
             if not taken:
                 time.sleep(POLL_S)  # the value model stays resident across empty selections (S12)
                 continue
+            self.t.setdefault("first", time.perf_counter())
             yield len(taken), [st_load(take(self.store, f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
+
+    def times(self) -> dict:
+        """The step's wait for its first chunk, and its tail: from its last group ready to its update done
+        (now, after the close; bench/streaming.py). A train rank that is not the controller has no tail."""
+        now = time.perf_counter()
+        out = {"time/wait_first_chunk": self.t.get("first", now) - self.t.get("start", now)}
+        if "all_ready" in self.t and self.world.is_main:
+            out["time/tail"] = now - self.t["all_ready"]
+        return out
 
     def refit(self, version: int, policy) -> None:
         """Announce `version`; gather the full policy (a collective over the train ranks) and send it
@@ -163,22 +181,23 @@ class StoreGroups:
         pass
 
 
-def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_len: int) -> None:
+def rollout_rank(ready, roles: refit.Roles, store) -> None:
+    """A rollout rank's whole run: generate each step's groups as the trainer's versions allow (S23),
+    take every refit, score the versions an eval is due for (global rank 0), until the trainer stops.
+    It runs no collective: its default group is its engine's world of one (NCCL on CUDA)."""
+    args, task, tok = ready.args, ready.task, ready.tok
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
     term = _Term(store, roles.global_rank)
-    task = make_task(args.task, args.seed)
-    tok = models.load_tokenizer(path)
-    engine = Engine(path, args.rollout, max_model_len, roles.devices.engine, dtype=args.model.dtype, seed=args.seed,
-                    private=True, log_file=engine_log(args.log, roles.global_rank, R > 1))
+    engine = Engine(ready.path, args.rollout, ready.max_model_len, roles.devices.engine, dtype=args.model.dtype,
+                    seed=args.seed, private=True, log_file=engine_log(args.log, roles.global_rank, R > 1))
     try:
-        group = dist.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
+        group = refit.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))
-        limit, every, posted = args.rollout.max_prompt_tokens, args.log.eval_every, set()
+        limit, posted = args.rollout.max_prompt_tokens, set()
 
-        def evaluate(version: int, due: bool = False) -> None:  # global rank 0 scores the run's eval versions
-            if roles.global_rank == 0 and every and (due or version % every == 0) and version not in posted:
-                scored = json.dumps(held_out(engine, task, tok, limit)).encode()  # JSON: never unpickled
-                put(store, f"eval/{version}", scored)
+        def evaluate(version: int) -> None:  # global rank 0 scores the run's eval versions
+            if roles.global_rank == 0 and args.log.evaluates(version, args.steps) and version not in posted:
+                put(store, f"eval/{version}", json.dumps(held_out(engine, task, tok, limit)).encode())  # never unpickled
                 posted.add(version)
 
         if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
@@ -202,7 +221,7 @@ def rollout_rank(args: PPOArgs, path: str, roles: dist.Roles, store, max_model_l
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:
             return
-        evaluate(args.steps, due=True)
+        evaluate(args.steps)
         term.wait("stop")  # global rank 0 hosts the store: it must outlive the trainer's last use of it
     finally:
         engine.close()
@@ -266,7 +285,7 @@ class _Term:
         return True
 
 
-def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, roles: dist.Roles,
+def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, roles: refit.Roles,
               evaluate, term: _Term) -> int | None:
     """Take every version the trainer has announced since `version`, in order: a weighted one is a
     broadcast every rollout rank joins (refit.receive, straight into the engine). Then wait until
@@ -284,28 +303,6 @@ def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, ro
         if version >= need:
             return version
         time.sleep(POLL_S)
-
-
-# The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.
-PART_BYTES = 4 << 20
-
-
-def put(store, key: str, blob: bytes) -> None:
-    parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)]
-    for k, part in enumerate(parts):
-        store.set(f"{key}/{k}", part)
-    store.set(key, str(len(parts)))  # present = complete
-
-
-def take(store, key: str) -> bytes:
-    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
-
-
-def drop(store, key: str) -> None:
-    n = int(store.get(key))
-    store.delete_key(key)
-    for k in range(n):
-        store.delete_key(f"{key}/{k}")
 
 
 def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.World) -> list[int]:
@@ -333,22 +330,16 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
 
 class EngineGroups:
     """Colocated placement (full batch only, config_ppo.PPOArgs.validate): each rank generates groups
-    i with i % dp == rank, then its engine sleeps (`HandOff.to_trainer`) until the refit that
-    follows critic training (`TrainPump` with refit_after_critic, S13)."""
+    i with i % dp == rank with its own `engine`, which then sleeps (`HandOff.to_trainer`) until the
+    refit that follows critic training (`TrainPump` with refit_after_critic, S13)."""
 
     colocated = True
-    t_all_ready = 0.0  # every group is ready before the update starts: no tail to measure
 
-    def __init__(self, args: PPOArgs, path: str, world: dist.World, max_model_len: int):
-        self.args, self.world = args, world
-        self.task = make_task(args.task, args.seed)
-        self.tok = models.load_tokenizer(path)
-        self.engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype,
-                             seed=args.seed, sleep_mode=args.ppo.colocated_offload,
-                             log_file=engine_log(args.log, world.rank, world.world_size > 1))
+    def __init__(self, args: PPOArgs, world: dist.World, engine, task, tok):
+        self.args, self.world, self.engine, self.task, self.tok = args, world, engine, task, tok
         self.handoff = None
 
-    def start(self, step: int, policy, offload, load=None) -> None:
+    def start(self, step: int, policy, offload, load=None, say=print) -> None:
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]
@@ -367,6 +358,9 @@ class EngineGroups:
         ready.claimed.update({i: Group(i, step) for i in range(ready.num_prompts)})
         yield ready.num_prompts, groups
 
+    def times(self) -> dict:
+        return {}  # every group is ready before the update starts: no wait or tail to measure
+
     def refit(self, version: int, policy) -> None:
         self.handoff.publish()  # wakes the engine with the stepped policy (unchanged during critic warmup)
 
@@ -375,8 +369,7 @@ class EngineGroups:
 
     def evals(self, version: int) -> dict:
         """Held-out accuracy of `version` when it is due (a collective over the ranks)."""
-        every = self.args.log.eval_every
-        if not every or (version % every and version != self.args.steps):
+        if not self.args.log.evaluates(version, self.args.steps):
             return {}
         return {**held_out(self.engine, self.task, self.tok, self.args.rollout.max_prompt_tokens, self.world.rank,
                            self.world.world_size), "eval_version": version}
@@ -404,28 +397,12 @@ class EngineGroups:
 # ---- shared by both placements ----
 
 def _generate(engine: Engine, task, tok, indices: list[int], step: int, args: PPOArgs, version: int):
-    """Sample G completions for the step's groups `indices`; yield (index, group tensors)."""
+    """Sample G completions for the step's groups `indices` and score them (tasks.scored); yield
+    (index, group tensors)."""
     P, G = args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt
     pids = [prompt_id(0, step * P + i) for i in indices]
-    problems = [task.train_problem(pid) for pid in pids]
-    prompts = [encode_prompt(tok, q.prompt, args.rollout.max_prompt_tokens) for q in problems]
-    s = engine.generate(prompts, pids, G)
-    texts = tok.batch_decode(s.completion_tokens, skip_special_tokens=True)
-    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(G)], s.clipped)
+    s, rewards, parts = scored(engine, task, tok, [task.train_problem(p) for p in pids], pids, G,
+                               args.rollout.max_prompt_tokens)
     for j, i in enumerate(indices):
         rows = slice(j * G, (j + 1) * G)
-        yield i, _group(s, rows, rewards[rows], [p[rows] for p in parts], version)
-
-
-def _group(s: Samples, rows: slice, rewards: list[float], parts: list[list[float]], version: int) -> dict:
-    comps = s.completion_tokens[rows]
-    T = max(map(len, comps))
-    pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
-    return {"prompt": torch.tensor(s.prompt_tokens[rows.start]),
-            "completions": torch.tensor(pad(comps, 0)),
-            "lengths": torch.tensor([len(c) for c in comps]),
-            "logprobs": torch.tensor(pad(s.logprobs[rows], 0.0)),
-            "rewards": torch.tensor(rewards, dtype=torch.float32),
-            "reward_parts": torch.tensor(parts, dtype=torch.float32),  # (functions, G): reward/<name>
-            "clipped": torch.tensor(s.clipped[rows]),
-            "version": torch.tensor(version)}
+        yield i, as_group(s, rows, rewards[rows], [p[rows] for p in parts], version)

@@ -1,7 +1,21 @@
-"""Disaggregated refit: the stepped policy goes from train rank 0 to every rollout rank over a
-collective (the refit group, `dist.refit_group`: gloo on CPU, NCCL on GPUs), in buckets,
-straight into each engine's load. The TCPStore carries no weights, only which versions exist.
+"""Disaggregated placement's wiring and its refit: who plays which side, how the sides meet, and how
+the stepped policy goes from the train ranks to the rollout ranks. Only PPO's disaggregated placement
+(placement.py) reaches this module; a GRPO reader never meets it.
 
+The wiring (`init_disaggregated`, called INSTEAD of `dist.init()` under torchrun):
+- Ranks [0, R) only generate, ranks [R, N) only train (`Roles`). vLLM hangs if it is built on some
+  ranks of a group that spans all of them, so each side forms its own: the train ranks a default
+  process group among themselves, each rollout rank none (its engine builds a private world of one,
+  `dist.private_world`).
+- Every rank joins one TCPStore at MASTER_ADDR, port MASTER_PORT + 1, hosted by global rank 0:
+  torchrun puts global rank 0 on the host MASTER_ADDR names, on any number of nodes, so the host every
+  rank dials is the one that serves. It carries only small control messages and blobs in parts
+  (`put`, `take`, `drop`: the libuv store refuses values over 8 MiB), never weights.
+- The refit group (`refit_group`): train rank 0 (member 0) and every rollout rank (1..R), built on
+  that store outside torch's group registry: gloo on CPU, NCCL on GPUs.
+
+The refit: the weights go from train rank 0 to every rollout rank over the refit group, in buckets,
+straight into each engine's load.
 - `manifest(model, dtype)`: the plan of a transfer, fixed by the model: every parameter's name,
   global shape and the engine's dtype, packed in order into buckets of at most BUCKET_BYTES (a
   larger parameter gets a bucket of its own), each entry 16-byte aligned. Train rank 0 writes it
@@ -15,16 +29,149 @@ straight into each engine's load. The TCPStore carries no weights, only which ve
 - Pipelined: the sender packs bucket k+1 while bucket k is on the wire, and the receiver has
   bucket k+1 arriving while the engine loads bucket k (the collectives run asynchronously: gloo's
   worker threads, NCCL's stream), so a refit costs about the engine's load plus one bucket.
-
-Peak extra memory per refit: two buckets on each side (before: the store's host held whole
-serialised copies of the model, and each side made three).
+Peak extra memory per refit: two buckets on each side.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
+import socket
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
+
+from minirl import dist
+
+# ---- who plays which side, and how the sides meet ----
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which side a torchrun rank plays under disaggregated placement: exactly one."""
+
+    global_rank: int
+    global_world: int
+    rollout_ranks: int  # R
+    devices: dist.Devices
+
+    @property
+    def generates(self) -> bool:
+        return self.global_rank < self.rollout_ranks
+
+    @property
+    def trains(self) -> bool:
+        return not self.generates
+
+    @property
+    def train_ranks(self) -> list[int]:
+        return list(range(self.rollout_ranks, self.global_world))
+
+
+def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[Roles, dist.World | None,
+                                                                              tdist.TCPStore]:
+    """Join the run's store; train ranks form their default process group on it (under the prefix
+    `train/`), wherever train rank 0 runs. Returns (roles, the train World or None, the store)."""
+    g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    devices = dist.device_map(g_rank, local_rank, g_world, rollout_ranks, "disaggregated", dist.device_type())
+    roles = Roles(g_rank, g_world, rollout_ranks, devices)
+    addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    dist.place(devices.trainer or devices.engine, int(os.environ.get("LOCAL_WORLD_SIZE", g_world)), g_rank,
+               f"{addr}:{base + store_port_offset}")
+    # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
+    store = tdist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
+                           timeout=datetime.timedelta(minutes=30))
+    if not roles.trains:
+        return roles, None, store
+    t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks
+    device = devices.trainer
+    tdist.init_process_group(dist.backend_for(device.type), store=tdist.PrefixStore("train/", store), rank=t_rank,
+                             world_size=t_world, device_id=device if device.type == "cuda" else None)
+    os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
+    return roles, dist.World(t_rank, t_world, local_rank, device), store
+
+
+def host_address(peer: str) -> str:
+    """This host's address on the route to `peer` (a UDP connect sends nothing): what a peer on
+    another node knows this host by, unlike `gethostname()`, which may resolve to loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+def store_client(store: tdist.TCPStore) -> tdist.TCPStore:
+    """Another connection to the same TCPStore (for a thread of its own)."""
+    return tdist.TCPStore(store.host, store.port, is_master=False, use_libuv=True)
+
+
+# The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.
+PART_BYTES = 4 << 20
+
+
+def put(store, key: str, blob: bytes) -> None:
+    parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)]
+    for k, part in enumerate(parts):
+        store.set(f"{key}/{k}", part)
+    store.set(key, str(len(parts)))  # present = complete
+
+
+def take(store, key: str) -> bytes:
+    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
+
+
+def drop(store, key: str) -> None:
+    n = int(store.get(key))
+    store.delete_key(key)
+    for k in range(n):
+        store.delete_key(f"{key}/{k}")
+
+
+# ---- the refit group: trainer rank 0 and the rollout ranks ----
+
+@dataclass
+class PointGroup:
+    """A process group outside torch's registry: each side's default group excludes the other
+    side, so the members build this one directly on the run's TCPStore. Rank 0 is train rank 0
+    (the rank that gathers the full parameters); ranks 1..R are the rollout ranks."""
+
+    backend: object          # torch's ProcessGroupGloo / ProcessGroupNCCL
+    device: torch.device     # the one device type it takes tensors on
+    rank: int
+    size: int
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        """Start a broadcast of `t` from member `src`; returns its work (`.wait()` before using `t`)."""
+        if t.device.type != self.device.type:
+            raise RuntimeError(f"refit group: a {t.device.type} tensor on a group of {self.device.type} members")
+        opts = tdist.BroadcastOptions()
+        opts.rootRank = src
+        return self.backend.broadcast([t], opts)
+
+
+def refit_group(store: tdist.Store, rank: int, size: int, device: torch.device,
+                timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> PointGroup:
+    """Join the refit group (a rendezvous: returns once all `size` members have called it).
+
+    gloo on CPU; NCCL on CUDA, each member on its own card from device_map. Built the way torch
+    builds a group's backend (torch 2.13 distributed_c10d._new_process_group_helper)."""
+    prefix = tdist.PrefixStore("refit/", store)
+    if device.type == "cuda":
+        opts = tdist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        backend = tdist.ProcessGroupNCCL(prefix, rank, size, opts)
+    else:
+        backend = tdist.ProcessGroupGloo(prefix, rank, size, timeout)
+    return PointGroup(backend, device, rank, size)
+
+
+# ---- the refit: buckets over the refit group ----
 
 BUCKET_BYTES = 16 << 20  # small enough to pipeline on CPU (bench/weight_sync.py), large enough for NCCL
 ALIGN = 16

@@ -118,6 +118,12 @@ class Samples:
     completion_tokens: list[list[int]]   # (B, completion len), EOS included when sampled
     logprobs: list[list[float]]          # (B, completion len) engine logprob of each sampled token
     finish_reasons: list[str]            # (B,) "stop" or "length"
+    texts: list[str] = field(default_factory=list)  # (B,) the completions decoded (tasks.scored)
+
+    @property
+    def lengths(self) -> list[int]:
+        """(B,) completion lengths in tokens."""
+        return [len(c) for c in self.completion_tokens]
 
     @property
     def clipped(self) -> list[bool]:

@@ -1,4 +1,4 @@
-"""Prompt sets, deterministic prompt ids, and held-out scoring.
+"""Prompt sets, deterministic prompt ids, held-out scoring, and the built-in task's tiny model.
 
 - `CountTask` (built in): "how many a's in this string?" e.g. prompt `abbab#a=`, answer `2`.
   Problems are a pure function of (seed, index); the held-out set is disjoint from training
@@ -7,6 +7,9 @@
   to the number after `####`.
 - Rewards are rewards.py's: `make_task` gives every task its `scorer` (--task.reward, or the
   task's own strict one), and `held_out` scores greedy completions of the held-out prompts with it.
+- The tiny model (`build_tiny`): a Qwen2 with a character-level tokenizer built with `tokenizers` (no
+  download), given a deliberately rough supervised warm start on the built-in task (`warm_start`),
+  written once with `save_pretrained` into minirl's cache folder (`cache_dir`, $MINIRL_CACHE).
 - Prompt ids (B14): `prompt_id(shard, index)` is
   deterministic, monotonic in the index, and scoped by shard so replicas never collide. The
   data-parallel partition sorts rows by (group_id, id) and deals contiguous whole groups.
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 from minirl import rewards
-from minirl.config import ConfigError, TaskConfig
+from minirl.config import ConfigError, TaskConfig, TinyModelConfig
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
 
@@ -187,6 +193,20 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
     return ids
 
 
+def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_size: int, limit: int,
+           greedy: bool = False):
+    """Prompts -> completions -> rewards, for both loops and the evals: `group_size` completions of each
+    problem (`ids`: their prompt ids, which seed the sampling), decoded and scored by the task's scorer.
+    Returns (samples, rewards [row], each reward function's values [function][row]); row i*G + j is
+    completion j of problem i."""
+    prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
+    samples = engine.generate(prompts, ids, group_size, greedy=greedy)
+    texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
+    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(group_size)], samples.clipped)
+    samples.texts = texts
+    return samples, rewards, parts
+
+
 def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> dict:
     """Greedy completions of the held-out prompts, scored by the task's scorer (the training reward):
     `eval_accuracy` is the first reward function's mean, and `eval_samples` (on rank 0) every prompt
@@ -199,13 +219,10 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
     share = task.eval_set[rank::world]
     rows, hits = [], 0.0
     if share:
-        prompts = [encode_prompt(tok, p.prompt, limit) for p in share]
-        out = engine.generate(prompts, list(range(len(share))), 1, greedy=True)
-        texts = tok.batch_decode(out.completion_tokens, skip_special_tokens=True)
-        scores, parts = task.scorer(texts, [p.answer for p in share], out.clipped)
+        out, scores, parts = scored(engine, task, tok, share, list(range(len(share))), 1, limit, greedy=True)
         hits = sum(parts[0])
         rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c}
-                for p, t, r, c in zip(share, texts, scores, out.clipped)]
+                for p, t, r, c in zip(share, out.texts, scores, out.clipped)]
     tot = torch.tensor([float(hits), float(len(share))])
     if world > 1:
         dist.all_reduce(tot)
@@ -231,3 +248,57 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                           "or turn evaluation off with --log.eval-every 0")
     task.scorer = rewards.scorer(cfg)
     return task
+
+
+# The tiny tokenizer's alphabet: one token per character, plus the specials.
+def cache_dir() -> str:
+    return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
+
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
+
+
+# ---- the built-in tiny model ----
+
+def build_tiny(shape: TinyModelConfig) -> str:
+    """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
+    path = os.path.join(cache_dir(), f"tiny-{key}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
+    tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_positions, tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_theta=10000.0, dtype="float32")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the cached weights never depend on a run's seed
+        model = Qwen2ForCausalLM(config)
+        if shape.warm_start_steps:
+            warm_start(model, tok, shape.warm_start_steps)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another rank got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return tok

@@ -41,6 +41,15 @@ def world():
     return dist.init()
 
 
+def ready_for(args, path: str, resume: str | None = None):
+    """What launch.preflight hands a loop (launch.Ready), for a test that drives a loop's `train` itself."""
+    from minirl.launch import Ready
+    from minirl.models import load_tokenizer
+    from minirl.tasks import make_task
+    tok = load_tokenizer(path)
+    return Ready(args, path, tok, make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens), resume)
+
+
 def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repo root; on failure show its output."""
     # The `world` fixture makes this process a torchrun world of one; a child must not inherit it.

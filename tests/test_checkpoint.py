@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run, sigterm_after
-from minirl import checkpoint, models
+from minirl import checkpoint, models, tasks
 
 
 
@@ -94,7 +94,7 @@ def test_a_crafted_optimizer_item_is_refused_and_its_payload_never_runs(tmp_path
 def test_a_checkpoint_of_another_model_shape_names_the_parameter_and_both_shapes(tmp_path, world, tiny_path):
     from minirl.config import TinyModelConfig
     path, _ = saved(tmp_path, world, tiny_path)
-    wider = models.build_tiny(TinyModelConfig(hidden_size=192, num_heads=3))
+    wider = tasks.build_tiny(TinyModelConfig(hidden_size=192, num_heads=3))
     policy = models.sharded(wider, "policy", world, "float32")
     parts = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))}
     with pytest.raises(checkpoint.CheckpointError, match=r"'model\.embed_tokens\.weight' has shape \(50, 128\) "
@@ -243,10 +243,11 @@ def test_profile_records_the_colocated_cycle_with_the_real_engine(tmp_path):
 
 def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, world, tiny_path, monkeypatch):
     from transformers import AutoModelForCausalLM
-    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 200_000)
+    import minirl.run
+    monkeypatch.setattr(minirl.run, "SHARD_BYTES", 200_000)
     policy = models.sharded(tiny_path, "policy", world, "float32")
     card = {"name": "t", "steps": 3}
-    checkpoint.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, card)
+    minirl.run.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, card)
     files = sorted(os.listdir(tmp_path / "final"))
     shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files

@@ -145,11 +145,12 @@ def safetensors_dtypes(path) -> set[str]:
 def test_engine_and_export_receive_the_model_dtype_not_the_float32_masters(tiny_path, world, tmp_path):
     """--model.dtype bfloat16 in a world of one (no gather): what the engine is sent and what the
     export writes are bf16, while the trainer keeps float32 masters."""
-    from minirl import checkpoint, dist, models
+    from minirl import dist, models
+    from minirl.run import export_hf
     policy = models.sharded(tiny_path, "policy", world, "bfloat16")
     assert {p.to_local().dtype for p in policy.parameters()} == {torch.float32}
     assert {t.dtype for _, t in dist.full_parameters(policy, torch.bfloat16)} == {torch.bfloat16}
-    checkpoint.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16)
+    export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16)
     assert safetensors_dtypes(tmp_path / "final" / "model.safetensors") == {"BF16"}
 
 

@@ -1,4 +1,4 @@
-"""packing.py: padding-free micro-batches give the padded path's logprobs, entropies, values and
+"""batch.py's packing: padding-free micro-batches give the padded path's logprobs, entropies, values and
 gradients (to 1e-6, on skewed rows of the real tiny model, FSDP2 world of one), only models that keep
 packed rows apart are packed, and a packed token budget counts the tokens the forward computes."""
 
@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minirl import dist, models, packing
-from minirl.batch import plan_chunks
-from minirl.packing import Layout
+from minirl import batch, dist, models
+from minirl.batch import Layout, plan_chunks
 
 LENGTHS = [3, 41, 7, 2, 26, 13, 40, 5]  # skewed: 137 real tokens; padded 8 x 41 = 328
 
@@ -42,7 +41,7 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], tol=1e-6) -> float:
 def test_layout_packs_rows_end_to_end_with_restarting_positions():
     lay = Layout.of(LENGTHS, 41)
     assert lay.capacity == 41 and lay.lanes == 4 and lay.computed == 164          # vs 328 padded
-    assert sorted(len(r) for r in packing.lanes_of(LENGTHS, 41)) == [1, 1, 3, 3]
+    assert sorted(len(r) for r in batch.lanes_of(LENGTHS, 41)) == [1, 1, 3, 3]
     ids, mask, _ = skewed_batch()
     packed = lay.pack(ids)
     assert packed.shape == (4, 41) and int((packed != 0).sum()) == int((ids != 0).sum())
@@ -131,7 +130,7 @@ def test_packed_token_budget_counts_computed_tokens():
     packed = plan_chunks(lengths, 1, 0, max_tokens=96, packed=True)
     assert len(packed[0]) < len(padded[0])
     for micro in packed[0]:
-        assert packing.computed_tokens([lengths[r] for r in micro]) <= 96 or len(micro) == 1
+        assert batch.computed_tokens([lengths[r] for r in micro]) <= 96 or len(micro) == 1
     assert sorted(r for m in packed[0] for r in m) == list(range(len(lengths)))
 
 

@@ -1,4 +1,4 @@
-"""plan.py: `--dry-run` shows every rank's role, devices, share and memory before a GPU is touched.
+"""tools/plan.py: `--dry-run` shows every rank's role, devices, share and memory before a GPU is touched.
 The GPU recipes are planned at their world size on CUDA from the recipe models' config.json files
 (tests/data/models: configs only, no weights)."""
 
@@ -10,7 +10,7 @@ import pytest
 import tyro
 
 from conftest import ROOT, run
-from minirl import plan
+from minirl.tools import plan
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
 from test_recipes import RECIPES, flags

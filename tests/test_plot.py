@@ -1,10 +1,10 @@
-"""minirl.plot: a PNG of a run's curves from metrics.jsonl, also from a crashed run's partial file."""
+"""tools/plot.py (minirl-plot): a PNG of a run's curves from metrics.jsonl, also from a crashed run's partial file."""
 
 import json
 
 import pytest
 
-from minirl.plot import drawn, plot, read, series
+from minirl.tools.plot import drawn, plot, read, series
 
 
 def write_run(d, records, tail=""):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run, sigterm_after
+from conftest import ready_for, run, sigterm_after
 from minirl.config_ppo import PPOArgs
 
 def e2e(test):
@@ -29,11 +29,11 @@ class RecordingSource:
     def __init__(self, args, colocated: bool, events: list):
         self.args, self.colocated, self.events = args, colocated, events
 
-    def start(self, step, policy, offload, load=None):
+    def start(self, step, policy, offload, load=None, say=print):
         self.events.append("start")
 
     def chunks(self, step, ready):
-        from minirl.placement import _group
+        from minirl.batch import as_group
         from minirl.rollout import Samples
         from minirl.sampler import Group
         P, G = self.args.ppo.num_prompts_per_step, self.args.ppo.num_generations_per_prompt
@@ -41,13 +41,16 @@ class RecordingSource:
         comps = [torch.randint(3, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (P * G,), generator=g)]
         s = Samples([0] * P * G, [[5, 6, 7]] * P * G, comps, [[-1.0] * len(c) for c in comps], ["stop"] * P * G)
         rewards = [float(j % 2) for j in range(G)]
-        groups = [_group(s, slice(i * G, (i + 1) * G), rewards, [rewards], step) for i in range(P)]
+        groups = [as_group(s, slice(i * G, (i + 1) * G), rewards, [rewards], step) for i in range(P)]
         ready.claimed.update({i: Group(i, step) for i in range(P)})
         self.events.append("chunk")
         yield P, groups
 
     def refit(self, version, policy):
         self.events.append("refit")
+
+    def times(self):
+        return {}
 
     def release(self, step):
         self.events.append("release")
@@ -92,7 +95,7 @@ def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, w
     args = PPOArgs()
     args.steps, args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt = 2, 2, 2
     args.ppo.critic_ppo_epochs, args.checkpoint.every, args.log.run_dir = 1, 1, str(tmp_path)
-    ppo.train(args, tiny_path, world, RecordingSource(args, colocated, events), resume=None)
+    ppo.train(ready_for(args, tiny_path), world, RecordingSource(args, colocated, events))
     update = ["critic", "refit"] if colocated else ["refit", "critic"]
     step = ["chunk", *update, "release", "log", "save"]
     assert events == ["start", *step, *step, "stop"], events
@@ -119,7 +122,7 @@ def small_ppo_args(tmp_path, steps):
 def train_in_process(args, tiny_path, world, source):
 
     from minirl import ppo
-    ppo.train(args, tiny_path, world, source, resume=None)
+    ppo.train(ready_for(args, tiny_path), world, source)
     return [json.loads(line) for line in open(args.log.run_dir + "/metrics.jsonl") if "reward_mean" in line]
 
 
@@ -152,15 +155,14 @@ def colocated_source(args, world, monkeypatch):
     """The real `EngineGroups` and hand-off around a recording engine (no vLLM): its generate makes
     the step's groups and refuses unless the engine is awake with fresh weights."""
     from minirl import placement
+    from minirl.batch import as_group
     from minirl.rollout import Samples
     from test_offload import RecordingEngine
     args.grid.gpu_placement, args.async_rl.min_groups_for_streaming_train = "colocated", args.ppo.num_prompts_per_step
     args.log.eval_every = 0
     engine = RecordingEngine("unused", args.rollout, 64, world.device, sleep_mode=True)
     engine.close = lambda: None  # no vLLM behind it
-    source = placement.EngineGroups.__new__(placement.EngineGroups)
-    source.args, source.world, source.engine, source.handoff = args, world, engine, None
-    source.task = source.tok = None  # the stand-in generate below makes the groups
+    source = placement.EngineGroups(args, world, engine, None, None)  # the stand-in generate makes the groups
     G = args.ppo.num_generations_per_prompt
 
     def generate(engine, task, tok, indices, step, args, version):
@@ -169,7 +171,7 @@ def colocated_source(args, world, monkeypatch):
         s = Samples([0] * G, [[3, 4]] * G, comps, [[-1.0, -1.0]] * G, ["stop"] * G)
         for i in indices:
             rewards = [float(j % 2) for j in range(G)]
-            yield i, placement._group(s, slice(0, G), rewards, [rewards], version)
+            yield i, as_group(s, slice(0, G), rewards, [rewards], version)
 
     monkeypatch.setattr(placement, "_generate", generate)
     return source, engine
@@ -209,7 +211,7 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (engine.log.append("load"), load(*a, **k))[1])
 
     from minirl import ppo
-    ppo.train(args, tiny_path, world, source, resume=ckpt)
+    ppo.train(ready_for(args, tiny_path, resume=ckpt), world, source)
     assert engine.log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
 
 
@@ -279,7 +281,7 @@ def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_c
 
 def test_store_blobs_over_the_8_mib_store_limit_go_in_parts_and_are_dropped_whole():
     from minirl.dist import free_port
-    from minirl.placement import PART_BYTES, drop, put, take
+    from minirl.refit import PART_BYTES, drop, put, take
     store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True, use_libuv=True)
     blob = bytes(range(256)) * (9 * 2**20 // 256 + 7)  # 9 MiB: one set() of it is refused by the store
     put(store, "version/3", blob)

@@ -1,4 +1,4 @@
-"""rehearse.py: `--dry-run --rehearse` runs the real train step on fake CUDA tensors for train rank 0 of
+"""tools/rehearse.py: `--dry-run --rehearse` runs the real train step on fake CUDA tensors for train rank 0 of
 a world the fake backend plays, at a real model's shape (tests/data/models: config.json only), and
 measures it with FSDPMemTracker beside the plan's estimate."""
 
@@ -76,19 +76,19 @@ def test_rehearsal_of_streamed_ppo_at_the_0_5b_shape_on_8_ranks_finds_no_device_
 def test_a_cpu_tensor_planted_in_the_step_fails_the_rehearsal_naming_the_op_and_the_line(tmp_path):
     """The policy loss given a mask built without a device (torch.ones(shape): on the host): every CPU
     test passes with it, a GPU run would fail, and the rehearsal stops there naming both."""
-    from minirl.rehearse import fake_cuda_library
+    from minirl.tools.fakecuda import library as fake_cuda_library
     plant = ("import sys, torch, minirl.grpo as g; f = g.policy_loss; "
              "g.policy_loss = lambda lp, old, adv, mask, *a, **k: f(lp, old, adv, torch.ones(mask.shape), *a, **k); "
-             "from minirl import rehearse; rehearse.main(sys.argv[1:])")
+             "g.cli(sys.argv[1:])")
     flags = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--log.run-dir", str(tmp_path / "run"),
              "--dry-run", "--dry-run-world-size", "2"]
-    lib = fake_cuda_library()
-    p = run([sys.executable, "-c", plant, "grpo", *flags], env={"LD_PRELOAD": lib})
+    child = {"LD_PRELOAD": fake_cuda_library(), "MINIRL_REHEARSAL_CHILD": "1"}  # what tools.rehearse.run sets
+    p = run([sys.executable, "-c", plant, *flags], env=child)
     assert p.returncode == 1
     line = p.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"rehearsal grpo tiny world 2: device mismatch in aten\.\w+\.\w+: cuda:0 meets cpu at "
                         r"minirl/objective\.py:\d+ .*; device mismatches 1 .*", line), line
-    clean = run([sys.executable, "-m", "minirl.rehearse", "grpo", *flags], env={"LD_PRELOAD": lib})
+    clean = run([sys.executable, "-m", "minirl.grpo", *flags], env=child)
     assert clean.returncode == 0 and "device mismatches 0" in clean.stdout.strip().splitlines()[-1]
 
 

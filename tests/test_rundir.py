@@ -1,4 +1,4 @@
-"""rundir.py: one live run owns a run directory; `--checkpoint.resume auto` without a checkpoint and
+"""launch.py's run-directory claim: one live run owns a run directory; `--checkpoint.resume auto` without a checkpoint and
 `--log.overwrite` never lose or mix an old run's work."""
 
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import ROOT, TORCHRUN_VARS, run
-from minirl import rundir
+from minirl import launch
 from minirl.config import ConfigError
 from minirl.config_grpo import GRPOArgs
 
@@ -49,7 +49,7 @@ def test_overwrite_starts_the_run_dir_clean_of_the_old_run(tmp_path, monkeypatch
     monkeypatch.delenv("RANK", raising=False)
     args = GRPOArgs()
     args.log.run_dir, args.log.overwrite = str(tmp_path), True
-    rundir.claim(args, None)
+    launch.claim(args, None)
     assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
 
 
@@ -68,9 +68,9 @@ def test_a_second_run_on_a_live_runs_dir_exits_2_and_a_dead_run_leaves_no_lock(t
                               str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
-        while time.time() < deadline and not rundir.holds_run(str(tmp_path)):
+        while time.time() < deadline and not launch.holds_run(str(tmp_path)):
             time.sleep(0.5)
-        assert rundir.holds_run(str(tmp_path)), "the first run never logged a step"
+        assert launch.holds_run(str(tmp_path)), "the first run never logged a step"
         before = (tmp_path / "metrics.jsonl").read_text()
         p = run([sys.executable, "-m", "minirl.grpo", *SMALL, "--steps", "2", "--log.run-dir", str(tmp_path),
                  "--log.overwrite"], timeout=120)
@@ -79,4 +79,4 @@ def test_a_second_run_on_a_live_runs_dir_exits_2_and_a_dead_run_leaves_no_lock(t
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    rundir.lock(str(tmp_path))  # the kernel released the dead run's lock
+    launch.lock(str(tmp_path))  # the kernel released the dead run's lock

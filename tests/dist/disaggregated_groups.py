@@ -16,7 +16,7 @@ from minirl.config import RolloutConfig
 from minirl.models import load_policy, load_tokenizer, token_logprobs
 
 path = sys.argv[1]
-roles, world, store = dist.init_disaggregated(rollout_ranks=1)
+roles, world, store = refit.init_disaggregated(rollout_ranks=1)
 refit.BUCKET_BYTES = 1 << 20  # several buckets for the tiny model
 if roles.trains:
     assert world.world_size == 2 and world.rank == roles.global_rank - 1 and roles.train_ranks == [1, 2]
@@ -32,7 +32,7 @@ if roles.trains:
     group = None
     if world.is_main:
         store.set("weights/manifest", json.dumps(buckets))
-        group = dist.refit_group(store, 0, 2, world.device)
+        group = refit.refit_group(store, 0, 2, world.device)
     named = dist.full_parameters(policy, torch.float32)  # collective over the train group only
     if world.is_main:
         assert refit.send(group, buckets, named) == sum(b["nbytes"] for b in buckets)
@@ -49,7 +49,7 @@ if roles.trains:
 else:
     from minirl.rollout import Engine
     engine = Engine(path, RolloutConfig(max_tokens=4), max_model_len=32, device=roles.devices.engine, private=True)
-    group = dist.refit_group(store, 1, 2, roles.devices.engine)
+    group = refit.refit_group(store, 1, 2, roles.devices.engine)
     buckets = json.loads(store.get("weights/manifest"))
     assert engine.load_weights(refit.receive(group, buckets)) == sum(len(b["entries"]) for b in buckets)
     tok = load_tokenizer(path)

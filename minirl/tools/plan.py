@@ -30,7 +30,7 @@ Colocated with the hand-off, engine and trainer take turns: the peak is the larg
 phases and the publish between them, when the engine's weights wake beside the trainer's parameters
 and optimizer state (`publish`). Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate, meant to
 catch a recipe that cannot fit, not to tune one to the last GiB; `--rehearse` measures the train step
-itself (rehearse.py), and the GPU recipes' rehearsed peaks are within 25% of it (docs/gpu.md).
+itself (tools/rehearse.py), and the GPU recipes' rehearsed peaks are within 25% of it (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ import json
 import math
 import os
 import re
-import sys
 
-from minirl import dist, models
+from minirl import dist, models, rewards
 from minirl.config import TINY, ConfigError
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
@@ -50,12 +49,13 @@ GIB = 2**30
 BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack
 
 
-def dry_run(args: GRPOArgs | PPOArgs, argv: list[str] | None = None) -> list[str]:
-    """Validate `args` for the world the flags name and return (and print, on rank 0) the plan;
-    under --rehearse, then rehearse the train step on fake CUDA (rehearse.py) with the same flags."""
+def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
+    """Validate `args` for the world the flags name (the plug-in rewards imported too) and return (and
+    print, on rank 0) the plan."""
     world = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", 1))
     device_type = args.dry_run_device or ("cuda" if args.rehearse else dist.device_type())
     args.validate(world)
+    rewards.scorer(args.task)
     hf, source = model_config(args.model)
     if hf is not None:
         from minirl.rollout import check_model
@@ -64,9 +64,6 @@ def dry_run(args: GRPOArgs | PPOArgs, argv: list[str] | None = None) -> list[str
     lines = plan(args, world, device_type, hf, source)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(lines), flush=True)
-        if args.rehearse:  # one process rehearses train rank 0 of the whole world
-            from minirl import rehearse
-            rehearse.run(sys.argv[1:] if argv is None else argv, "grpo" if isinstance(args, GRPOArgs) else "ppo")
     return lines
 
 
@@ -74,7 +71,7 @@ def model_config(cfg) -> tuple[dict | None, str]:
     """The model's config.json without loading it or touching the network: (config or None, where)."""
     if cfg.path == TINY:
         t = cfg.tiny
-        from minirl.models import ALPHABET, SPECIALS
+        from minirl.tasks import ALPHABET, SPECIALS
         return {"vocab_size": len(SPECIALS) + len(ALPHABET), "hidden_size": t.hidden_size,
                 "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
                 "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,

@@ -1,4 +1,4 @@
-"""A run's learning curve: `python -m minirl.plot RUN_DIR` -> RUN_DIR/curve.png.
+"""A run's learning curve: `python -m minirl.tools.plot RUN_DIR` (or `minirl-plot RUN_DIR`) -> RUN_DIR/curve.png.
 
 Reads RUN_DIR/metrics.jsonl (one record per step, as logger.RunLog writes it) and draws one
 panel per quantity that the run logged: reward (and each `--task.reward` function's mean when there
@@ -30,7 +30,7 @@ PANELS = [  # (title, metric keys drawn in it)
 def read(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise SystemExit(f"minirl.plot: {path} does not exist; give the --log.run-dir of a run")
+        raise SystemExit(f"minirl-plot: {path} does not exist; give the --log.run-dir of a run")
     out = []
     with open(path) as f:
         for line in f:
@@ -66,7 +66,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
     records = read(run_dir)
     panels = drawn(records)
     if not panels:
-        raise SystemExit(f"minirl.plot: no step records in {run_dir}/metrics.jsonl yet")
+        raise SystemExit(f"minirl-plot: no step records in {run_dir}/metrics.jsonl yet")
     cols = 2
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(10, 3 * rows), squeeze=False)
@@ -89,7 +89,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m minirl.plot", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="minirl-plot", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="a run directory (--log.run-dir) holding metrics.jsonl")
     ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curve.png)")
     a = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`python -m minirl.eval` (or `minirl-eval`): score a model on a task's held-out prompts, without
+"""`python -m minirl.tools.eval` (or `minirl-eval`): score a model on a task's held-out prompts, without
 training, with the same greedy scorer and rewards the training loops use (tasks.held_out).
 
     minirl-eval --model.path runs/demo/final                          # an exported policy (or any HF folder)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> float:
     world = dist.init()
     with tempfile.TemporaryDirectory(prefix="minirl-eval-") as tmp:
         if args.checkpoint:  # the engine loads a Hugging Face folder: export the checkpoint's policy first
-            from minirl.export import export
+            from minirl.tools.export import export
             path = export(args.checkpoint, os.path.join(tmp, "policy"), models.resolve_path(args.model))
         else:
             path = models.resolve_path(args.model)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> float:
 
 def _with_run_config(argv: list[str]) -> list[str]:
     """`--checkpoint X` without `--config`: read X's run config.json first."""
-    from minirl.export import run_config_path
+    from minirl.tools.export import run_config_path
     if any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
     for i, a in enumerate(argv):

@@ -41,19 +41,13 @@ What it cannot show: kernels' own workspaces (cuBLAS, attention), allocator frag
 buffers, vLLM's memory (the plan's engine share stands in), and the determinism probe's one-off
 forward (off here).
 
-How: a CPU build of torch has no CUDA device guard or hooks, so a forward on fake CUDA aborts in
-C++; fakecuda.cpp registers torch's own FakeGuardImpl and a hooks object that reports devices.
-It is compiled on first use (g++, against the headers the torch wheel ships) into minirl's cache
-folder and preloaded (LD_PRELOAD) into a child process before torch is imported (`run`).
+How: the CUDA stand-ins a CPU build of torch lacks are fakecuda.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import traceback
@@ -62,79 +56,46 @@ import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from minirl.config import ConfigError
+from minirl.tools import fakecuda
 
 GIB = 2**30
-SOURCE = os.path.join(os.path.dirname(__file__), "fakecuda.cpp")
-HOST_READS = [0]  # values of CUDA tensors read on the host (`_stand_ins` counts them)
 
 
 # ---- the parent: compile the stand-ins once, rehearse in a child process ----
 
 def run(argv: list[str], loop: str) -> None:
-    """Rehearse `loop` ("grpo" or "ppo") with the flags `argv` in a child process; exit as it did."""
+    """Rehearse `loop` ("grpo" or "ppo") with the flags `argv` in a child process: the loop's own command
+    (`python -m minirl.<loop>`), which hands itself to `child`; exit as it did."""
     if torch.version.cuda or torch.version.hip:
         raise ConfigError("--rehearse plays a GPU on a CPU-only torch; this torch is built for GPUs: run the "
                           "recipe itself on one node to measure it")
-    lib = fake_cuda_library()
+    lib = fakecuda.library()
     env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, (lib, os.environ.get("LD_PRELOAD"))))}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # the child plays its own world
         env.pop(k, None)
     env["MINIRL_REHEARSAL_WORLD"] = os.environ.get("WORLD_SIZE", "1")
+    env["MINIRL_REHEARSAL_CHILD"] = "1"  # launch.preflight: this dry run is the rehearsal itself
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake backend's teardown warns of hooks it never had
-    code = subprocess.call([sys.executable, "-m", "minirl.rehearse", loop, *argv], env=env)
+    code = subprocess.call([sys.executable, "-m", f"minirl.{loop}", *argv], env=env)
     if code:
         raise SystemExit(code)
 
 
-def fake_cuda_library() -> str:
-    """fakecuda.cpp compiled for this torch, once, into minirl's cache folder; its path."""
-    from minirl.models import cache_dir
-    torch_dir = os.path.dirname(torch.__file__)
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha1(f.read() + torch.__version__.encode() + torch_dir.encode()).hexdigest()[:10]
-    out = os.path.join(cache_dir(), f"fakecuda-{key}.so")
-    if os.path.isfile(out):
-        return out
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if cxx is None:
-        raise ConfigError("--rehearse needs a C++ compiler to build its CUDA stand-ins against torch's headers "
-                          "(once); none is on PATH: install g++ or set CXX")
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    lib = os.path.join(torch_dir, "lib")
-    cmd = [cxx, "-O1", "-shared", "-fPIC", "-std=c++20", "-w", f"-I{os.path.join(torch_dir, 'include')}",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", SOURCE, "-o", tmp,
-           f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
-    print(f"rehearsal: compiling the CUDA stand-ins for torch {torch.__version__} (once) into {out}", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise ConfigError(f"--rehearse: {os.path.basename(cxx)} could not build {SOURCE}: "
-                          + " | ".join(done.stderr.strip().splitlines()[-3:]))
-    os.replace(tmp, out)
-    return out
-
-
 # ---- the child: fake CUDA, a fake world, the real trainer ----
 
-def main(argv: list[str]) -> None:
-    """`python -m minirl.rehearse <grpo|ppo> <flags>`, started by `run` with the stand-ins preloaded."""
-    from minirl import grpo, launch, ppo
-    from minirl.config_grpo import GRPOArgs
-    from minirl.config_ppo import PPOArgs
-    loop, flags = argv[0], argv[1:]
-    cls, doc = (GRPOArgs, grpo.__doc__) if loop == "grpo" else (PPOArgs, ppo.__doc__)
-    launch.run(f"minirl.{loop} --rehearse", lambda a: rehearse(loop, launch.parse(cls, a, doc)), flags)
-
-
-def rehearse(loop: str, args) -> list[str]:
+def child(args, module) -> list[str]:
+    """In the child `run` started (the stand-ins preloaded): rehearse train rank 0's step of the loop
+    whose module is `module`, through that loop's own public functions, on fake CUDA."""
     import torch.distributed as tdist
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from minirl import dist, plan
+    from minirl import dist
+    from minirl.tools import plan
 
     if "fakecuda" not in os.environ.get("LD_PRELOAD", ""):
-        raise ConfigError("minirl.rehearse runs under `--dry-run --rehearse`, which preloads its CUDA stand-ins")
+        raise ConfigError("the rehearsal runs under `--dry-run --rehearse`, which preloads its CUDA stand-ins")
+    loop = type(args).LOOP
     world_size = args.dry_run_world_size or int(os.environ.get("MINIRL_REHEARSAL_WORLD", "1"))
     args.validate(world_size)
     hf, source = plan.model_config(args.model)
@@ -142,7 +103,7 @@ def rehearse(loop: str, args) -> list[str]:
         raise ConfigError(f"--rehearse needs the model's config.json; none is readable offline for {source!r}")
     disaggregated = loop == "ppo" and args.grid.gpu_placement == "disaggregated"
     W = world_size - (args.grid.rollout_ranks if disaggregated else 0)  # train ranks: the fake backend plays 1..W-1
-    _stand_ins()
+    fakecuda.stand_ins()
     tdist.init_process_group("cpu:fake,cuda:fake", rank=0, world_size=W, store=FakeStore())
     world = dist.World(0, W, 0, torch.device("cuda", 0))
     dist.device_mesh("cuda", W)  # outside fake mode, which cannot build one
@@ -150,8 +111,8 @@ def rehearse(loop: str, args) -> list[str]:
     batch, step = (_grpo_batch, _grpo) if loop == "grpo" else (_ppo_chunks, _ppo)
     data = batch(args, world)  # on the host with real numbers, before fake mode
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), _flash_attention():
-            peak, reads = step(args, world, _hf_config(hf), data)
+        with FakeTensorMode(allow_non_fake_inputs=True), fakecuda.flash_attention():
+            peak, reads = step(args, world, _hf_config(hf), data, module)
     except FakeTensorDeviceMismatchError as e:
         where = _minirl_frame(e)
         print(f"rehearsal {loop} {name} world {W}: device mismatch in {e.func}: {e.common_device} meets {e.device}"
@@ -164,7 +125,7 @@ def rehearse(loop: str, args) -> list[str]:
 
 
 def _grpo_batch(args, world):
-    """This rank's first mini-batch in a RolloutStore, planned as grpo.main plans it."""
+    """This rank's first mini-batch in a RolloutStore, planned as grpo.train plans it."""
     from minirl.batch import RolloutStore, pack, plan_chunks
     rows, micro = args.mini_batch // world.world_size, args.micro_batch // world.world_size
     # the first micro-batch packs two short rows; the later ones, full length, meet the gradients already
@@ -176,9 +137,10 @@ def _grpo_batch(args, world):
     return RolloutStore(batch, chunks, reads_per_chunk=1 + args.needs_cached_old_logprobs, device=world.device)
 
 
-def _grpo(args, world, cfg, store):
-    """One optimizer step of GRPO's update on the store's mini-batch, inside the hand-off."""
-    from minirl import grpo, models
+def _grpo(args, world, cfg, store, grpo):
+    """One optimizer step of GRPO's update (`grpo`: the loop's module) on the store's mini-batch, inside
+    the hand-off."""
+    from minirl import models
     from minirl.accumulator import Accumulator, across_ranks, lr_schedule, roll_up
     rl, dtype = args.rl, models.DTYPES[args.model.dtype]
     policy = _build(cfg, "policy", world, args)
@@ -186,17 +148,16 @@ def _grpo(args, world, cfg, store):
     optimizer = models.adamw(policy, rl.lr, rl.weight_decay)
     _warm(policy, optimizer)
     acc = Accumulator(policy, optimizer, args.n_micro, rl.max_grad_norm, schedule=lr_schedule(rl.lr, 0, 1))
-    probe = grpo.Probe(policy)
-    probe.done = True  # its one-off forward at a run's first step is not the steady state
+    probe = grpo.Probe(policy, done=True)  # its one-off forward at a run's first step is not the steady state
     handoff = grpo.hand_off(_Engine(), policy, optimizer, ref, args)
     handoff.start_fresh()
     one_epoch = dataclasses.replace(args, rl=dataclasses.replace(rl, mu_iterations=1))
     with _Tracker([(policy, optimizer), (ref, None)]) as tracker:
         handoff.to_trainer()
-        before = HOST_READS[0]
+        before = fakecuda.HOST_READS[0]
         calls, steps = grpo.update(policy, ref, acc, store, one_epoch, probe, args.needs_cached_old_logprobs)
-        across_ranks(roll_up(calls)), roll_up(steps)  # the step's metrics, as grpo.main reads them
-        reads = HOST_READS[0] - before
+        across_ranks(roll_up(calls)), roll_up(steps)  # the step's metrics, as grpo.train reads them
+        reads = fakecuda.HOST_READS[0] - before
         handoff.save_in_update_window(lambda: _save_and_export({"policy": (policy, optimizer)}, dtype))
         handoff.publish()  # the weight-sync gather at the real shape, then the trainer's offload
     store.close()
@@ -204,18 +165,19 @@ def _grpo(args, world, cfg, store):
 
 
 def _ppo_chunks(args, world) -> list[dict]:
-    """The step's chunks for this rank, as ppo.train hands them to the pump (`ppo._rows`)."""
-    from minirl import ppo
+    """The step's chunks for this rank, as ppo.train hands them to the pump (`batch.group_rows`)."""
+    from minirl.batch import group_rows
     p = args.ppo
     per_chunk = args.async_rl.min_groups_for_streaming_train if args.streaming else p.num_prompts_per_step
     n, mine = -(-p.num_prompts_per_step // per_chunk), max(1, per_chunk // world.world_size)
-    return [{**ppo._rows(_groups(mine, p.num_generations_per_prompt, args, first=k == 0 < n - 1), 0),
+    return [{**group_rows(_groups(mine, p.num_generations_per_prompt, args, first=k == 0 < n - 1), 0),
              "groups": per_chunk} for k in range(n)]
 
 
-def _ppo(args, world, cfg, chunks):
-    """One PPO step through the real TrainPump: every chunk of the step, then the close."""
-    from minirl import dist, models, ppo, refit
+def _ppo(args, world, cfg, chunks, ppo):
+    """One PPO step through the real TrainPump (`ppo`: the loop's module): every chunk of the step, then
+    the close."""
+    from minirl import dist, models, refit
     from minirl.accumulator import Accumulator, across_ranks, lr_schedule
     from minirl.placement import EngineGroups
     from minirl.stream import TrainPump
@@ -228,8 +190,7 @@ def _ppo(args, world, cfg, chunks):
     offload, resident = ppo.offloaders(policy, policy_opt, value, value_opt, ref)
     colocated = args.grid.gpu_placement == "colocated"
     if colocated:  # the real EngineGroups hand-off, around an engine that is not there
-        source = EngineGroups.__new__(EngineGroups)
-        source.args, source.world, source.engine = args, world, _Engine()
+        source = EngineGroups(args, world, _Engine(), None, None)
         source.start(0, policy, resident)
         publish = lambda: source.refit(1, policy)  # noqa: E731
     else:
@@ -242,11 +203,11 @@ def _ppo(args, world, cfg, chunks):
         pump = TrainPump(policy, value, acc, value_opt, ppo.pump_config(args, 0, colocated), 0, refit=publish,
                          ref=ref, log=lambda line: None, policy_off=offload[0], value_off=offload[1],
                          device=world.device, value_schedule=lr_schedule(p.value_lr, 0, 1))
-        before = HOST_READS[0]
+        before = fakecuda.HOST_READS[0]
         for c in chunks:
             pump.chunk(c)
         across_ranks(pump.close())  # the step's metrics, as ppo.train reads them
-        reads = HOST_READS[0] - before
+        reads = fakecuda.HOST_READS[0] - before
         for o in offload:  # ppo.train's save(): both models resident between steps
             o.onload()
         _save_and_export({"policy": (policy, policy_opt), "value": (value, value_opt)}, dtype)
@@ -258,9 +219,10 @@ def _save_and_export(parts: dict, dtype: torch.dtype) -> None:
     (no full gather; writing them needs bytes a fake tensor does not have), and the export's gather of
     every full parameter in turn (as on ranks 1..W-1, which gather and do not write)."""
     from minirl import checkpoint
+    from minirl.run import export_hf
     checkpoint.require_finite({name: model for name, (model, _) in parts.items()})
     checkpoint.state_dicts(parts)
-    checkpoint.export_hf(parts["policy"][0], "", "", False, dtype)
+    export_hf(parts["policy"][0], "", "", False, dtype)
 
 
 # ---- the rehearsal's batch, models and world ----
@@ -280,11 +242,11 @@ def _samples(rows: int, short: set, args):
 
 
 def _groups(count: int, G: int, args, first: bool) -> list[dict]:
-    """`count` groups of G samples, as the rollout hands them over (`placement._group`); in the first of
+    """`count` groups of G samples, as the rollout hands them over (`batch.as_group`); in the first of
     several chunks the first two groups are half as long (packed together)."""
-    from minirl.placement import _group
+    from minirl.batch import as_group
     half = lambda g: first and g < 2 <= count  # noqa: E731
-    return [_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, [[1.0] * G], 0)
+    return [as_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, [[1.0] * G], 0)
             for g in range(count)]
 
 
@@ -349,82 +311,6 @@ class _Wire:
 
     def wait(self) -> None:
         pass
-
-
-# ---- what fake mode needs answered ----
-
-def _stand_ins() -> None:
-    """Python stand-ins for what torch.cuda asks of a driver (the C++ ones are preloaded), and answers
-    for what a fake tensor cannot know: a value read on the host (`.item()`, `bool()`, `.tolist()`) is
-    1 / True unless fake mode knows the constant (a finiteness flag reads finite, a token count
-    nonzero), and pinning is a no-op. torch.cuda.is_available() stays False: fake mode then never
-    initialises a device."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    class Stream:
-        def __init__(self, *a, **k):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            pass
-
-        wait_stream = wait_event = synchronize = lambda self, *a: None  # noqa: E731
-        record_event = lambda self, e=None: e or Event()  # noqa: E731
-
-    class Event:
-        def __init__(self, *a, **k):
-            pass
-
-        record = wait = synchronize = lambda self, *a: None  # noqa: E731
-        query = lambda self: True  # noqa: E731
-
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.Stream, torch.cuda.Event = Stream, Event
-    torch.cuda.current_stream = lambda *a, **k: Stream()
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-
-    def value(t):
-        if t.constant is not None:
-            return t.constant.item()
-        return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
-
-    def listed(t):
-        return t.constant.tolist() if t.constant is not None else [listed(x) for x in t.unbind(0)] if t.dim() \
-            else value(t)
-
-    def read(answer):  # a value of a CUDA tensor read on the host: on a GPU, a sync that drains the queue
-        def counted(t, *a):
-            HOST_READS[0] += t.device.type == "cuda"
-            return answer(t)
-        return counted
-
-    FakeTensor.item = read(value)
-    FakeTensor.__bool__ = read(lambda t: bool(value(t)))
-    FakeTensor.__float__ = read(lambda t: float(value(t)))
-    FakeTensor.__int__ = read(lambda t: int(value(t)))
-    FakeTensor.tolist = read(listed)
-    torch.Tensor.pin_memory = lambda t, *a, **k: t  # real host tensors too: fake mode has no pinned memory
-
-
-@contextlib.contextmanager
-def _flash_attention():
-    """SDPA through the flash kernel: fake mode would take the math path, whose float32 scores a GPU
-    never holds. (The padding-free path's block mask is then unused: the kernel's memory is the same.)"""
-    plain = torch.nn.functional.scaled_dot_product_attention
-
-    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if k.shape[1] != q.shape[1]:
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, False, scale=scale)[0]
-
-    torch.nn.functional.scaled_dot_product_attention = flash
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = plain
 
 
 # ---- measuring ----
@@ -511,7 +397,7 @@ def _minirl_frame(e: BaseException) -> str:
 
 
 def _report(loop, name, W, peak, reads, args, world_size, hf, source, disaggregated) -> list[str]:
-    from minirl import plan
+    from minirl.tools import plan
     estimate = plan.train_rank_terms(args, world_size, hf)
     trainer, planned = sum(peak.values()), sum(estimate.values())
     role = "train" if disaggregated else "both"
@@ -526,7 +412,3 @@ def _report(loop, name, W, peak, reads, args, world_size, hf, source, disaggrega
             f"rehearsal {loop} {name} world {W}: peak {trainer:.2f} GiB per card, plan {planned:.2f} GiB, "
             f"host reads per {'optimizer step' if loop == 'grpo' else 'step'} {reads}, "
             f"device mismatches 0 ({planned / trainer - 1:+.0%} plan vs rehearsal; {fits})"]
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""`python -m minirl.export CHECKPOINT OUT` (or `minirl-export`): a training checkpoint's policy as
+"""`python -m minirl.tools.export CHECKPOINT OUT` (or `minirl-export`): a training checkpoint's policy as
 a Hugging Face folder, the same as a run's `final/`.
 
 The model it belongs to comes from the run's config.json beside the checkpoints folder
@@ -24,19 +24,19 @@ def run_config_path(ckpt: str) -> str:
 
 def run_model_config(ckpt: str) -> ModelConfig:
     """The model a checkpoint was trained from, by its run's config.json."""
-    from minirl.launch import _fill
+    from minirl.launch import fill
     run_config = run_config_path(ckpt)
     if not os.path.isfile(run_config):
         raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model-path")
     with open(run_config) as f:
-        return _fill(ModelConfig(), json.load(f).get("model", {}), "model.")
+        return fill(ModelConfig(), json.load(f).get("model", {}), "model.")
 
 
 def check_out(out: str, ckpt: str, overwrite: bool) -> None:
     """Export never deletes what it did not write: OUT is a new or empty folder, or (with
     --overwrite) an earlier export; never `/`, the current directory or one above it, the
     checkpoint's run directory or anything holding the checkpoint."""
-    from minirl.checkpoint import TOKENIZER_FILES
+    from minirl.run import TOKENIZER_FILES
     o, here, src = (os.path.realpath(x) for x in (out, os.getcwd(), ckpt))
     run_dir = os.path.dirname(os.path.dirname(src))
     if o in (os.sep, run_dir) or here == o or here.startswith(o + os.sep) or src == o or src.startswith(o + os.sep):
@@ -60,6 +60,7 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
 
 def export(ckpt: str, out: str, model_path: str = "") -> str:
     from minirl import checkpoint, dist, models
+    from minirl.run import export_hf
     dist.init()
     cfg = ModelConfig(path=model_path) if model_path else run_model_config(ckpt)
     path = models.resolve_path(cfg)
@@ -67,7 +68,7 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
     checkpoint.load_model(ckpt, "policy", policy)
     card = {"name": f"{os.path.basename(os.path.abspath(ckpt))} (exported)", "base model": cfg.path,
             "checkpoint": os.path.abspath(ckpt), "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype}
-    checkpoint.export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], card=card)
+    export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], card=card)
     return out
 
 

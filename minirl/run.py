@@ -1,0 +1,263 @@
+"""The harness: everything that runs around a step of either loop, so a loop says what happens and this
+module decides when. Both loops build one `Run` and call it in a line at each point of a run:
+
+- `Run(ready, world, mode, rows)`: the run log (metrics.jsonl, samples.jsonl, the console, TensorBoard,
+  W&B; logger.py), config.json, the opening lines, SIGTERM and Ctrl-C (`dist.sigterm_flag`: an
+  emergency save at the next step boundary), and the stall rule (`Stall`).
+- `with run.guard(cleanup, close)`: an exceptional exit runs `cleanup` and then `close`, never masking
+  the error being raised (B24); a clean exit runs `close`; the log is closed either way.
+- `run.phase(name)`: a timed phase (`time/<name>` in the step's record) and a profile mark under
+  MINIRL_PROFILE_LOOP=1 (B27); the run's first phase (its warm-up) says when it starts and ends.
+- `run.checkpoints(parts, state)`: what a save writes (models with their optimizers) and the loop's
+  state beside it; `run.load()` restores them from the resumed checkpoint, `run.resumed(...)` says
+  with which learning rates the run goes on, `run.save(step)` writes the checkpoint of `step`.
+- `run.steps()`: the loop's steps, from the resumed one; `run.evaluates(step)` and `run.saves(step,
+  stepped)` are the one rule each for when an eval or a scheduled save follows `step`
+  (`LogConfig.evaluates`, `CheckpointConfig.saves`). Where a save happens within the step is the
+  loop's business (GRPO's update window, B22-B23); whether it happens is the harness's.
+- `run.end_step(step, record, stepped, save)`: the step's record written (with its time, memory and
+  profile); the stall rule; on SIGTERM or Ctrl-C an emergency save through `save` (unless the step
+  saved already) and the end of the loop; else a scheduled save through `save`; the early stop at
+  --log.target-eval-accuracy (every rank agrees).
+- `run.finish(policy, before)`: the final policy exported to <run dir>/final in Hugging Face format
+  (`export_hf`, which minirl-export runs too), unless a signal stopped the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from minirl import checkpoint, dist, models
+from minirl.accumulator import Stall
+from minirl.logger import RunLog, engine_log, memory_peak_gib
+
+
+class Run:
+    def __init__(self, ready, world: dist.World, mode: str, rows: int):
+        args = ready.args
+        self.args, self.world, self.path, self.resume, self.rows = args, world, ready.path, ready.resume, rows
+        self.loop = type(args).LOOP
+        self.start = checkpoint.steps_done(ready.resume) if ready.resume else 0
+        self.log = RunLog(args.log.run_dir, enabled=world.is_main, every=args.log.every, start_step=self.start,
+                          tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project,
+                          config=args.to_dict(), total_steps=args.steps, samples=args.log.samples, device=world.device)
+        self.info, self.mark = self.log.info, self.log.mark
+        opt = args.rl if self.loop == "grpo" else args.ppo
+        self.stall = Stall(opt.max_skipped_steps, f"a learning rate too high for this model "
+                                                  f"(--{'rl' if self.loop == 'grpo' else 'ppo'}.lr={opt.lr}) "
+                                                  "or non-finite rewards")
+        self.stop = dist.sigterm_flag()
+        self.record: dict = {}
+        self.stopped = ""          # "" (ran on), "signal" or "target"
+        self.saved = None          # the last step whose checkpoint this run wrote
+        self.parts, self.state = {}, dict
+        self.first_step, self._t0 = self.start, time.perf_counter()
+        self.done = self.start     # loop steps done
+        if args.checkpoint.resume == "auto" and not ready.resume:
+            self.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
+        self.info(f"minirl.{self.loop}: {mode}; model {ready.path}")
+        self.info("config: " + json.dumps(args.to_dict(), separators=(",", ":")))
+        if world.is_main:
+            with open(os.path.join(args.log.run_dir, "config.json"), "w") as f:
+                json.dump(args.to_dict(), f, indent=2)
+
+    @property
+    def engine_log(self) -> str | None:
+        """Where this rank's engine writes its own lines (logger.engine_log)."""
+        return engine_log(self.args.log, self.world.rank, self.world.world_size > 1)
+
+    @contextlib.contextmanager
+    def guard(self, cleanup, close):
+        try:
+            yield
+        except BaseException:
+            dist.quietly(cleanup)
+            dist.quietly(close)  # the error that brought us here is the one raised (B24)
+            raise
+        else:
+            close()
+        finally:
+            self.log.close()
+
+    def phase(self, name: str, announce: str = "", extra=None):
+        if not announce and self.first_step is not None and self._in_step:  # the run's first phase is the slow
+            announce, self.first_step = f"step {self.first_step}: {name}", None  # one (a warm-up): say so
+        return self.log.phase(name, announce, extra)
+
+    _in_step = False
+
+    # ---- checkpoints ----
+    def checkpoints(self, parts: dict, state=dict) -> None:
+        """`parts`: {name: (model, optimizer)}; `state()`: the loop's own state to save beside them."""
+        self.parts, self.state = parts, state
+
+    def load(self) -> dict:
+        """The resumed checkpoint into `parts` (a collective); returns the loop state it holds."""
+        return checkpoint.load(self.resume, self.parts)
+
+    def resumed(self, rates: list[tuple]) -> None:
+        """After a load: each (optimizer, the schedule's next rate, its flag) is reported when the
+        checkpoint's rate differs (the flags' schedule sets the rate, checkpoint.report_lr)."""
+        for optimizer, lr, flag in rates:
+            checkpoint.report_lr(optimizer, lr, flag, self.info)
+        self.info(f"resumed from {self.resume} at step {self.start}")
+
+    def save(self, step: int) -> None:
+        """The checkpoint of the run after `step` (every rank: a collective)."""
+        checkpoint.save(self.args.checkpoint_dir, step + 1, self.parts, {"loop": self.loop, **self.state()},
+                        self.args.checkpoint.keep)
+        self.saved = step
+
+    # ---- the step ----
+    def baseline(self, evaluate) -> None:
+        """The held-out score of the policy the run starts from, when one is due (`evaluate(version)`)."""
+        if self.args.log.evaluates(self.start, self.args.steps):
+            with self.log.phase("eval", announce="scoring the held-out prompts before training"):
+                scored = evaluate(self.start)
+            if scored:
+                self.log.write({"step": self.start, **scored})
+
+    def steps(self):
+        for step in range(self.start, self.args.steps):
+            self._t0, self._in_step = time.perf_counter(), True
+            self.log.begin_step()
+            yield step
+            if self.stopped:
+                return
+
+    def evaluates(self, step: int) -> bool:
+        return self.args.log.evaluates(step + 1, self.args.steps)
+
+    def saves(self, step: int, stepped: bool) -> bool:
+        return self.args.checkpoint.saves(step + 1, stepped)
+
+    def end_step(self, step: int, record: dict, stepped: bool, save) -> None:
+        """Write the step's record, apply the stall rule, then save and stop as the harness's rules say.
+        `save()`: the loop's way to save this step (through its hand-off where it has one)."""
+        seconds = time.perf_counter() - self._t0
+        rollout = record.get("rollout_memory_peak_gib") or 0.0  # separate rollout ranks' engines
+        record = {"step": step, **record, "memory_peak_gib": max(memory_peak_gib(self.world.device), rollout),
+                  "time/step": seconds, "tokens_per_s": record["completion_len_mean"] * self.rows / seconds}
+        profile = self.log.take_profile()
+        if profile:
+            record[f"{self.loop}_step"] = profile
+        self.log.write(record)
+        self.record, self.done = record, step + 1
+        self.stall.step(stepped, step)  # raises after the flag's number of steps without an update
+        if self.stop():  # every rank agrees (a collective)
+            if self.saved != step:
+                with self.log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
+                    save()
+            self.info(f"{self.stop.name}: saved {self.args.checkpoint_dir} at step {step + 1}; exiting")
+            self.stopped = "signal"
+            return
+        if self.saves(step, stepped) and self.saved != step:
+            with self.log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
+                save()
+        target = self.args.log.target_eval_accuracy
+        reached = float(bool(target) and record.get("eval_accuracy", 0.0) >= target)
+        if dist.all_reduce(torch.tensor([reached]), "max").item():  # every rank stops with the one that saw it
+            self.info(f"eval_accuracy {record.get('eval_accuracy', target):.3f} reached "
+                      f"--log.target-eval-accuracy={target}; stopping")
+            self.stopped = "target"
+
+    def write(self, record: dict) -> None:
+        """A record outside the steps' own (a late eval)."""
+        if record:
+            self.log.write(record)
+            self.record.update(record)
+
+    def finish(self, policy, before=None) -> None:
+        """The final policy to <run dir>/final (a collective), unless a signal stopped the run; `before()`
+        puts it on the card first (the hand-off's trainer window)."""
+        if self.stopped == "signal":
+            return
+        if before is not None:
+            before()
+        card = model_card(self.loop.upper(), self.args, self.done, self.record.get("eval_accuracy"))
+        final = os.path.join(self.args.log.run_dir, "final")
+        with self.log.phase("export", announce=f"exporting the policy to {final}"):
+            export_hf(policy, self.path, final, self.world.is_main, models.DTYPES[self.args.model.dtype], card)
+        dist.barrier()
+
+
+# ---- the final policy in Hugging Face format (final/, and minirl-export's) ----
+
+SHARD_BYTES = 5 * 2**30  # like save_pretrained's default max_shard_size
+TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs, vocabularies, chat templates
+
+
+def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
+              dtype: torch.dtype | None = None, card: dict | None = None) -> None:
+    """Gather the full parameters (a collective: every rank calls) and, on rank 0, write `out_dir/`:
+    the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
+    run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
+    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card`, a README.md
+    model card. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
+    checkpoint.require_finite({"policy": model})
+    state = {}
+    for name, t in dist.full_parameters(model, dtype):
+        if is_main:
+            state[name] = t.to("cpu", copy=True).contiguous()
+    if not is_main:
+        return
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for f in os.listdir(source_path):
+        if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
+            shutil.copyfile(os.path.join(source_path, f), os.path.join(tmp, f))  # contents, not the cache's modes
+    _save_weights(state, tmp)
+    if card:
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(_model_card(card))
+    for f in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, f), 0o644)
+    os.chmod(tmp, 0o755)
+    checkpoint.fsync_tree(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+
+
+def _save_weights(state: dict, folder: str) -> None:
+    shards, size = [[]], 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    if len(shards) == 1:
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def model_card(algorithm: str, args, steps: int, eval_accuracy: float | None) -> dict:
+    """What a run's final/README.md says about it."""
+    task = args.task.name if args.task.name == "count" else f"{args.task.name} ({args.task.path})"
+    return {"name": f"{os.path.basename(os.path.abspath(args.log.run_dir))} ({algorithm})",
+            "base model": args.model.path, "algorithm": algorithm, "task": task, "steps": steps,
+            "held-out accuracy (greedy, last evaluation)": "not evaluated" if eval_accuracy is None
+            else f"{eval_accuracy:.4f}", "dtype": args.model.dtype}
+
+
+def _model_card(card: dict) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in card.items())
+    return (f"# {card.get('name', 'minirl policy')}\n\nTrained with minirl (RL post-training in plain PyTorch).\n\n"
+            f"| | |\n| --- | --- |\n{rows}\n")
