@@ -5,7 +5,7 @@
 Runs `python -m minirl.grpo` colocated on one process with the real vLLM engine, a checkpoint
 every second step and a held-out evaluation every third, and reads the per-step `grpo_step`
 profile from metrics.jsonl. Each phase's time is the wall time from the previous boundary to
-its own (offload.Profile):
+its own (the run log's marks, logger.RunLog.mark):
 
 - generate: vLLM sampling; score: decode, rewards, advantages, packing;
 - forward/backward: `train` minus the optimizer; optimizer: clip + AdamW step (Accumulator.step_s);

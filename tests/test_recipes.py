@@ -128,7 +128,7 @@ def dry_run_argv(launch: dict, tmp_path) -> list[str]:
 def test_every_documented_launch_plans_at_its_world_size(where, cmd, tmp_path, doc_modules):
     """Each documented command's dry run, in this process: the flags parse and validate for that
     command's world (torchrun's processes per node times its nodes), and on CUDA every rank fits."""
-    from minirl import plan
+    from minirl.tools import plan
     launch = parse(cmd)
     args = tyro.cli(ARGS[launch["module"]], args=dry_run_argv(launch, tmp_path))
     lines = plan.dry_run(args)
