@@ -47,7 +47,7 @@ from minirl.rollout import check_model
 MAX_CONFIG_BYTES = 1 << 20
 # Switches that belong to one run: a config file (often another run's config.json) never carries them
 # into this one; only the command line sets them.
-PER_RUN = {("log", "run_dir"), ("log", "overwrite"), ("checkpoint", "resume"), ("checkpoint", "dir")}
+PER_RUN = {"log.run_dir", "log.overwrite", "checkpoint.resume", "checkpoint.dir"}
 
 
 def _read(path: str) -> dict:
@@ -80,14 +80,21 @@ def _read(path: str) -> dict:
     return data
 
 
-def fill(instance, data: dict, where: str, lenient: bool = False):
+def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = ""):
     """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
-    against its field's type as the flag's parser would (`_typed`). `lenient`: skip what this
-    command does not have (another command's run config), instead of refusing it."""
+    against its field's type as the flag's parser would (`_typed`). A key is the flag's name with `-`
+    or `_` (one spelling per flag). `lenient`: skip what this command does not have (another command's
+    run config), instead of refusing it. `skip`: flags never taken from a file (`log.run_dir`, ...)."""
     fields = {f.name: f for f in dataclasses.fields(instance)}
     types = typing.get_type_hints(type(instance))
+    seen: dict[str, str] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name in seen:
+            raise ConfigError(f"--config: {where}{key} is given twice (also as {where}{seen[name]})")
+        seen[name] = key
+        if path + name in skip:
+            continue
         current = getattr(instance, name, None)
         if name not in fields or (lenient and isinstance(value, dict) != dataclasses.is_dataclass(current)):
             if lenient:
@@ -96,7 +103,7 @@ def fill(instance, data: dict, where: str, lenient: bool = False):
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
-            fill(current, value, f"{where}{key}.", lenient)
+            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.")
         else:
             setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
     return instance
@@ -152,11 +159,8 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            data = {k: v for k, v in _read(path).items() if k != "config"}
-            for section, key in PER_RUN:  # this run's own, never another's (a config.json reruns a recipe)
-                if isinstance(data.get(section), dict):
-                    data[section].pop(key, None)
-            default = fill(cls(), data, "", lenient)
+            # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
+            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN})
             default.config = path
             break
     return tyro.cli(cls, args=argv, default=default, description=description)

@@ -257,7 +257,10 @@ def model_card(algorithm: str, args, steps: int, eval_accuracy: float | None) ->
             else f"{eval_accuracy:.4f}", "dtype": args.model.dtype}
 
 
+CARD_MARK = "Trained with minirl (RL post-training in plain PyTorch)."  # what tells an export from other folders
+
+
 def _model_card(card: dict) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in card.items())
-    return (f"# {card.get('name', 'minirl policy')}\n\nTrained with minirl (RL post-training in plain PyTorch).\n\n"
+    return (f"# {card.get('name', 'minirl policy')}\n\n{CARD_MARK}\n\n"
             f"| | |\n| --- | --- |\n{rows}\n")

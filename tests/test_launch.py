@@ -49,6 +49,23 @@ def test_a_config_file_never_carries_the_runs_own_switches(tmp_path):
     assert (args.log.run_dir, args.log.overwrite) == ("x", True)  # given on the command line, they count
 
 
+def test_a_config_file_never_carries_the_runs_own_switches_in_the_flags_own_spelling_either(tmp_path):
+    """A YAML written like the flags (`log: {run-dir: X}`, `checkpoint: {resume: auto}`) is read as the
+    same flags: the run's own switches stay the command line's (they were taken from the dashed
+    spelling), and one flag given in both spellings is refused naming both."""
+    f = tmp_path / "c.yaml"
+    f.write_text("log:\n  run-dir: runs/other\n  overwrite: true\n  eval-every: 7\n"
+                 "checkpoint:\n  resume: auto\n  dir: elsewhere\n")
+    args = launch.parse(GRPOArgs, ["--config", str(f)], "")
+    default = GRPOArgs()
+    assert args.log.eval_every == 7  # the recipe comes along
+    assert (args.log.run_dir, args.log.overwrite, args.checkpoint.resume, args.checkpoint.dir) == (
+        default.log.run_dir, False, "", "")
+    f.write_text("rl:\n  lr: 1.0e-5\n  lr-warmup-steps: 3\n  lr_warmup_steps: 4\n")
+    with pytest.raises(ConfigError, match=r"rl\.lr_warmup_steps is given twice \(also as rl\.lr-warmup-steps\)"):
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+
+
 @pytest.mark.parametrize("text, says", [
     ("steps: abc\n", "steps='abc' is not an integer"),
     ("steps: 2.5\n", "steps=2.5 is not an integer"),
@@ -154,6 +171,29 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o644"
     card = (tmp_path / "out" / "README.md").read_text()  # the model card the README promises
     assert "step_00000002 (exported)" in card and "| steps | 2 |" in card
+
+
+def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
+    """--overwrite replaces an earlier export (its minirl model card, config.json, weights) and nothing
+    else: a model folder of one's own, with a config.json, JSON and text files and even weights, is not
+    one and is refused before anything is deleted."""
+    from minirl.run import _model_card
+    from minirl.tools.export import check_out
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name in ("config.json", "tokenizer.json", "notes.txt", "model.safetensors"):
+        (theirs / name).write_text("{}")
+    with pytest.raises(ConfigError, match="does not hold an export .*no minirl model card"):
+        check_out(str(theirs), str(ckpt), overwrite=True)
+    (theirs / "README.md").write_text("# my model\n")
+    with pytest.raises(ConfigError, match="does not hold an export"):
+        check_out(str(theirs), str(ckpt), overwrite=True)
+    (theirs / "README.md").write_text(_model_card({"name": "an earlier export", "steps": 1}))
+    check_out(str(theirs), str(ckpt), overwrite=True)  # an earlier export: may be replaced
+    assert sorted(os.listdir(theirs)) == ["README.md", "config.json", "model.safetensors", "notes.txt",
+                                          "tokenizer.json"]
 
 
 @pytest.mark.vllm

@@ -36,7 +36,7 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
     """Export never deletes what it did not write: OUT is a new or empty folder, or (with
     --overwrite) an earlier export; never `/`, the current directory or one above it, the
     checkpoint's run directory or anything holding the checkpoint."""
-    from minirl.run import TOKENIZER_FILES
+    from minirl.run import CARD_MARK, TOKENIZER_FILES
     o, here, src = (os.path.realpath(x) for x in (out, os.getcwd(), ckpt))
     run_dir = os.path.dirname(os.path.dirname(src))
     if o in (os.sep, run_dir) or here == o or here.startswith(o + os.sep) or src == o or src.startswith(o + os.sep):
@@ -53,9 +53,11 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
         raise ConfigError(f"OUT={out!r} is not empty; give a new folder, or --overwrite to replace an earlier export")
     strangers = [n for n in names if not (os.path.isfile(os.path.join(o, n)) and
                                           n.endswith((".safetensors", "README.md", *TOKENIZER_FILES)))]
-    if strangers or "config.json" not in names:
-        raise ConfigError(f"--overwrite: {out!r} does not hold an export (it has {sorted(strangers or names)[:3]}); "
-                          "nothing was deleted")
+    card = os.path.join(o, "README.md")
+    signed = os.path.isfile(card) and CARD_MARK in open(card, encoding="utf-8", errors="replace").read(4096)
+    if strangers or not signed or "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        what = f"it has {sorted(strangers)[:3]}" if strangers else "no minirl model card, config.json and weights"
+        raise ConfigError(f"--overwrite: {out!r} does not hold an export ({what}); nothing was deleted")
 
 
 def export(ckpt: str, out: str, model_path: str = "") -> str:
