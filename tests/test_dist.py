@@ -78,6 +78,7 @@ def test_cuda_world_backend_serves_cpu_tensors_too():
 
 def test_collective_on_a_device_the_group_does_not_serve_is_refused(world, monkeypatch):
     from minirl import dist
+    dist.init()  # a world of one again, should an earlier test's in-process engine have torn it down
     monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "cuda:nccl")
     with pytest.raises(RuntimeError, match="serves only"):
         dist.all_reduce(torch.zeros(1))

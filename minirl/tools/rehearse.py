@@ -388,10 +388,11 @@ class _Tracker(FSDPMemTracker):
 
 
 def _minirl_frame(e: BaseException) -> str:
-    """The innermost line of minirl's own code in `e`'s traceback (the rehearsal's own frames aside)."""
-    here, me = os.path.dirname(os.path.abspath(__file__)), os.path.abspath(__file__)
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if os.path.abspath(f.filename).startswith(here) and os.path.abspath(f.filename) != me]
+    """The innermost line of minirl's own code in `e`'s traceback (the tools' own frames aside)."""
+    tools = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(tools)  # the package
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename).startswith(here + os.sep)
+              and not os.path.abspath(f.filename).startswith(tools + os.sep)]
     f = frames[-1] if frames else traceback.extract_tb(e.__traceback__)[-1]
     return f"{os.path.relpath(f.filename, os.path.dirname(here))}:{f.lineno} ({f.name}: {f.line})"
 
