@@ -145,13 +145,12 @@ def steps_done(path: str) -> int:
 
 
 def require_finite(models: dict) -> None:
-    """Refuse (on every rank together) to write a model with a non-finite parameter anywhere."""
-    bad = ""
-    for part, model in models.items():
-        for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if not bool(torch.isfinite(local).all()):
-                bad = bad or f"the {part}'s {name}"
+    """Refuse (on every rank together) to write a model with a non-finite parameter anywhere. One host
+    read for all the parameters (each its own would be a sync per parameter on a GPU)."""
+    named = [(f"the {part}'s {name}", p.to_local() if hasattr(p, "to_local") else p)
+             for part, model in models.items() for name, p in model.named_parameters()]
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # one read
+    bad = next((where for (where, _), ok in zip(named, finite) if not ok), "")
     flag = dist.all_reduce(torch.tensor([float(bool(bad))]), "max")
     if flag.item():
         raise CheckpointError(f"refusing to write a model whose parameters are not finite ({bad or 'on another rank'})")

@@ -230,7 +230,7 @@ class Probe:
         moved = moved.float() * mask
         self.policy.eval()
         counts = dist.all_reduce(torch.stack([moved.sum(), mask.sum()]).double())
-        self.fraction = (counts[0] / counts[1].clamp_min(1)).item()
+        self.fraction = (counts[0] / counts[1].clamp_min(1)).item()  # once a run: a host read (a GPU sync)
         if self.fraction > self.tolerance:
             raise RuntimeError(
                 f"determinism probe: {self.fraction:.1%} of tokens moved more than {self.nats} nats between "
