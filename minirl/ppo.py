@@ -126,7 +126,7 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
                       "groups_consumed": consumed, **times, **source.evals(step + 1)}
             run.end_step(step, record, warmup or not pump.skipped, save=lambda: source.save(lambda: save(step)))
         if not run.stopped:
-            run.write(source.final_eval(args.steps))  # the last version's eval, when it came late
+            run.write(args.steps, source.final_eval(args.steps))  # the last version's eval, when it came late
         source.stop()
         run.finish(policy, before=lambda: (offload[1].offload(), offload[0].onload()))
     return run.record

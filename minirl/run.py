@@ -168,10 +168,10 @@ class Run:
                       f"--log.target-eval-accuracy={target}; stopping")
             self.stopped = "target"
 
-    def write(self, record: dict) -> None:
-        """A record outside the steps' own (a late eval)."""
+    def write(self, step: int, record: dict) -> None:
+        """A record outside the steps' own (a late eval), logged at `step`."""
         if record:
-            self.log.write(record)
+            self.log.write({"step": step, **record})
             self.record.update(record)
 
     def finish(self, policy, before=None) -> None:
