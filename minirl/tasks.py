@@ -25,7 +25,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from minirl import rewards
+import torch
+
+from minirl import dist, rewards
 from minirl.config import ConfigError, TaskConfig, TinyModelConfig
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
@@ -163,8 +165,6 @@ def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by
     stopped early instead (8 steps) left counts of 5 and more at probability 0.02: GRPO's groups almost
     never sampled them, and the strict demo plateaued at 0.82, answering 4 to every count above 4.
     """
-    import torch
-
     task = CountTask(seed=12345, eval_prompts=0)
     rng = random.Random(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -212,9 +212,6 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
     `eval_accuracy` is the first reward function's mean, and `eval_samples` (on rank 0) every prompt
     with its completion, answer and reward. With world > 1 every rank of the default group scores its
     slice (a collective)."""
-    import torch
-
-    from minirl import dist
 
     share = task.eval_set[rank::world]
     rows, hits = [], 0.0

@@ -111,3 +111,16 @@ def test_a_run_that_evaluates_needs_held_out_prompts(tmp_path):
     with pytest.raises(ConfigError, match=says):
         make_task(cfg, 0, evaluates=True)
     assert make_task(cfg, 0).eval_set == [] and len(make_task(cfg, 0).rows) == 4
+
+
+def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch):
+    """What a fresh machine does first (`make demo`, the suite's first fixture): build the built-in model
+    into an empty cache folder, warm start included, and load it back; a second call finds it."""
+    from minirl.config import TinyModelConfig
+    from minirl.models import load_policy, load_tokenizer
+    from minirl.tasks import build_tiny
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "cache"))
+    shape = TinyModelConfig(hidden_size=64, num_heads=1, intermediate_size=64, warm_start_steps=1)
+    path = build_tiny(shape)
+    assert path.startswith(str(tmp_path / "cache")) and build_tiny(shape) == path
+    assert load_policy(path).config.hidden_size == 64 and load_tokenizer(path)("ab#a=").input_ids
