@@ -82,7 +82,7 @@ def train(ready: launch.Ready) -> dict:
             run.resumed([(optimizer, acc.schedule(acc.steps), "--rl.lr")])
         else:
             handoff.start_fresh()
-            run.baseline(evaluate)  # the policy before the first update
+            run.baseline(evaluate, "scoring the held-out prompts before training")  # before the first update
         for step in run.steps():
             # ---- sample: this rank's share of the step's P prompts (B14: canonical partition) ----
             pids = [prompt_id(0, step * P + i) for i in range(P)]

@@ -49,16 +49,16 @@ class Run:
                           tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project,
                           config=args.to_dict(), total_steps=args.steps, samples=args.log.samples, device=world.device)
         self.info, self.mark = self.log.info, self.log.mark
-        opt = args.rl if self.loop == "grpo" else args.ppo
-        self.stall = Stall(opt.max_skipped_steps, f"a learning rate too high for this model "
-                                                  f"(--{'rl' if self.loop == 'grpo' else 'ppo'}.lr={opt.lr}) "
-                                                  "or non-finite rewards")
+        group = "rl" if self.loop == "grpo" else "ppo"  # the optimizer's flags (config.OptimConfig)
+        opt = getattr(args, group)
+        self.stall = Stall(opt.max_skipped_steps,
+                           f"a learning rate too high for this model (--{group}.lr={opt.lr}) or non-finite rewards")
         self.stop = dist.sigterm_flag()
         self.record: dict = {}
         self.stopped = ""          # "" (ran on), "signal" or "target"
         self.saved = None          # the last step whose checkpoint this run wrote
         self.parts, self.state = {}, dict
-        self.first_step, self._t0 = self.start, time.perf_counter()
+        self.first_step, self._t0, self._in_step = self.start, time.perf_counter(), False
         self.done = self.start     # loop steps done
         if args.checkpoint.resume == "auto" and not ready.resume:
             self.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
@@ -91,8 +91,6 @@ class Run:
             announce, self.first_step = f"step {self.first_step}: {name}", None  # one (a warm-up): say so
         return self.log.phase(name, announce, extra)
 
-    _in_step = False
-
     # ---- checkpoints ----
     def checkpoints(self, parts: dict, state=dict) -> None:
         """`parts`: {name: (model, optimizer)}; `state()`: the loop's own state to save beside them."""
@@ -116,10 +114,10 @@ class Run:
         self.saved = step
 
     # ---- the step ----
-    def baseline(self, evaluate) -> None:
+    def baseline(self, evaluate, announce: str = "") -> None:
         """The held-out score of the policy the run starts from, when one is due (`evaluate(version)`)."""
         if self.args.log.evaluates(self.start, self.args.steps):
-            with self.log.phase("eval", announce="scoring the held-out prompts before training"):
+            with self.log.phase("eval", announce=announce):
                 scored = evaluate(self.start)
             if scored:
                 self.log.write({"step": self.start, **scored})
