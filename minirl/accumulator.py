@@ -185,7 +185,8 @@ def roll_up(calls: list[dict]) -> dict:
             denom_key = k.split("_", 1)[0] + "_denom"
             if all(denom_key in c for c in with_k):
                 w = torch.stack([as_t(c[denom_key]) for c in with_k])
-                out[k] = torch.where(w.sum() > 0, (v * w).sum() / w.sum().clamp_min(1e-300), v.mean())
+                total = w.sum()
+                out[k] = torch.where(total > 0, (v * w).sum() / total.clamp_min(1e-300), v.mean())
             else:
                 out[k] = v.mean()
     values = torch.stack(list(out.values())).tolist() if out else []  # one read (a sync on a GPU)

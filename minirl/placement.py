@@ -109,10 +109,11 @@ class StoreGroups:
 
     def times(self) -> dict:
         """The step's wait for its first chunk, and its tail: from its last group ready to its update done
-        (now, after the close; bench/streaming.py). A train rank that is not the controller has no tail."""
+        (now, after the close; bench/streaming.py). Only the controller, which polls, sees the groups ready:
+        the other train ranks have no tail."""
         now = time.perf_counter()
         out = {"time/wait_first_chunk": self.t.get("first", now) - self.t.get("start", now)}
-        if "all_ready" in self.t and self.world.is_main:
+        if "all_ready" in self.t:
             out["time/tail"] = now - self.t["all_ready"]
         return out
 

@@ -247,11 +247,11 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     return task
 
 
-# The tiny tokenizer's alphabet: one token per character, plus the specials.
 def cache_dir() -> str:
     return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
 
 
+# The tiny tokenizer's alphabet: one token per character, plus the specials.
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
 
