@@ -71,6 +71,10 @@ class RolloutConfig:
     """Fewest completion tokens (EOS is suppressed before that); benchmarks set it to --rollout.max-tokens."""
     temperature: float = 1.0
     """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens holding this much probability (1 = all)."""
+    top_k: int = 0
+    """Sample from the k likeliest tokens only (0 = all)."""
     kv_cache_gib: float = 1.0
     """CPU only: the engine's KV cache in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.3
@@ -86,11 +90,16 @@ class TaskConfig:
     name: Literal["count", "jsonl"] = "count"
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
-    """JSONL file with one {"prompt": ..., "answer": ...} per line (for --task.name jsonl)."""
+    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a .parquet file of such rows (for
+    --task.name jsonl). A prompt is text or chat messages [{"role": ..., "content": ...}] (rendered by
+    the model's chat template); the answer is a string or a number."""
+    answer_key: str = ""
+    """The column holding the reference answer, dotted for a nested one (verl: reward_model.ground_truth);
+    empty = the first of answer, solution and reward_model.ground_truth."""
     eval_prompts: int = 128
     """Held-out prompts scored greedily for `eval_accuracy`."""
     eval_path: str = ""
-    """JSONL file of held-out prompts (e.g. GSM8K test); empty = hold out part of --task.path."""
+    """A file of held-out prompts, as --task.path (e.g. GSM8K test); empty = hold out part of --task.path."""
     answer_format: Literal["strict", "flexible"] = "strict"
     """The JSONL task's built-in reward: `strict` reads the number after the last `#### ` (GSM8K's format,
     verl's strict mode); `flexible` the last number anywhere (verl's flexible). A reference that is not a
@@ -180,7 +189,16 @@ class OptimConfig:
     dual_clip: float = 0.0
     """Dual clip c > 1 (verl's clip_ratio_c, e.g. 3): a negative-advantage token's loss is at most -c x A; 0 = off."""
     kl_coef: float = 0.0
-    """Weight of a k3 KL penalty to the starting policy (a frozen reference model); 0 = none."""
+    """Weight of a KL penalty to the starting policy (a frozen reference model); 0 = none."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The penalty's per-token KL estimate: k1 = l - r, k2 = (l - r)^2 / 2, k3 = exp(r - l) - (r - l) - 1."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus in the policy loss (0 = none; the entropy is logged either way)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    """How token losses become the step's loss: token-mean (every token alike); seq-mean-token-mean
+    (each completion's mean, then the mean over completions: the GRPO paper); seq-mean-token-sum (each
+    completion's sum); seq-mean-token-sum-norm (the sum over --rollout.max-tokens: Dr. GRPO)."""
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this after normalization (0 = no clip)."""
     max_skipped_steps: int = 3
@@ -191,6 +209,12 @@ class OptimConfig:
     colocated_offload: bool = True
     """Colocated: hand the card between engine and trainer each step (the engine sleeps while the
     trainer runs, the trainer is offloaded while the engine generates)."""
+
+    def loss_options(self, max_tokens: int) -> dict:
+        """The policy loss's settings, as objective.policy_loss takes them (`max_tokens`: Dr. GRPO's constant)."""
+        return dict(clip_eps=self.clip_eps, kl_coef=self.kl_coef, clip_eps_high=self.clip_eps_high,
+                    dual_clip=self.dual_clip, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
+                    agg=self.loss_agg_mode, norm_len=max_tokens)
 
 
 @dataclass
@@ -271,6 +295,8 @@ def _check_run(args) -> None:
     _check_run_dir(args)
     if not 0.0 < args.rollout.temperature:
         raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
+    if not 0.0 < args.rollout.top_p <= 1.0:
+        raise ConfigError(f"--rollout.top-p={args.rollout.top_p} must be in (0, 1]")
     if not 0 <= args.rollout.min_tokens <= args.rollout.max_tokens:
         raise ConfigError(f"--rollout.min-tokens={args.rollout.min_tokens} must be in [0, --rollout.max-tokens="
                           f"{args.rollout.max_tokens}]")
@@ -301,6 +327,7 @@ def _check_optimization(group: str, c) -> None:
     _positive(f"--{group}.lr", c.lr)
     _positive(f"--{group}.clip-eps", c.clip_eps)
     _at_least(f"--{group}.kl-coef", c.kl_coef, 0)
+    _at_least(f"--{group}.entropy-coef", c.entropy_coef, 0)
     _at_least(f"--{group}.max-grad-norm", c.max_grad_norm, 0)
     _at_least(f"--{group}.max-skipped-steps", c.max_skipped_steps, 1)
     _at_least(f"--{group}.clip-eps-high", c.clip_eps_high, 0)

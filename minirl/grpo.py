@@ -9,9 +9,9 @@ new weights to the engine -> report. Weight sync, the reward report and evaluati
 per collected batch, never per optimizer step (B4). What runs around a step (the log, resume,
 signals, the save and eval schedule, the export) is the harness's (run.py), in a line each.
 
-How it departs from the GRPO paper: no reference KL unless --rl.kl-coef > 0; the loss is a
-token mean over the whole mini-batch (DAPO-style), made exact under micro-batching by the
-deferred divisor (accumulator.py).
+How it departs from the GRPO paper: no reference KL unless --rl.kl-coef > 0; the loss is by default a
+token mean over the whole mini-batch (DAPO-style; --rl.loss-agg-mode seq-mean-token-mean is the paper's),
+made exact under micro-batching by the deferred divisor (accumulator.py).
 
 Shapes: P prompts, G = group_size, B = P*G sequences (B_r on this rank), T tokens.
 """
@@ -167,15 +167,16 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
                 if ref is not None:
                     with torch.no_grad():
                         ref_logp = score(ref, c["input_ids"], lengths=c["lengths"])
-                logp, entropy = score(policy, c["input_ids"], entropy=True, lengths=c["lengths"])
+                logp, entropy = score(policy, c["input_ids"], entropy="grad" if rl.entropy_coef else True,
+                                      lengths=c["lengths"])
                 at_sampling = old_logps[k - 1] if old_logps is not None else (
                     logp.detach() if acc.steps == steps_before else None)
                 if rl.use_rollout_logprobs_for_loss:
                     old = c["rollout_logp"]
                 else:
                     old = at_sampling if at_sampling is not None else logp.detach()
-                loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], rl.clip_eps, ref_logp, rl.kl_coef,
-                                               clip_eps_high=rl.clip_eps_high, dual_clip=rl.dual_clip, entropy=entropy)
+                loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], ref_logp=ref_logp, entropy=entropy,
+                                               **rl.loss_options(args.rollout.max_tokens))
                 m["grpo_computed_tokens"] = models.computed_tokens(policy, c["input_ids"], c["lengths"])
                 if at_sampling is not None:
                     m["grpo_logprob_gap"] = logprob_gap(at_sampling, c["rollout_logp"], c["mask"])

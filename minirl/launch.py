@@ -18,7 +18,8 @@
   run's metrics, config, final/, logs and its checkpoints first, so neither a resume nor a prune ever
   mixes two runs. (The checks that need no lock are `config._check_run_dir`, in every `validate`.)
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
-  through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 3 with one
+  through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 1 with one line
+  when a reward function failed during the run (`rewards.RewardError`, naming it); 3 with one
   line when a run stopped because it could no longer learn; 4 with one line when a rank lost a peer
   (another rank, its node, or the run's store; `dist.lost_peer`); and the process group is torn down
   before the process leaves (without the interpreter's teardown, see `leave`).
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 import tyro
 
-from minirl import checkpoint, dist, models, tasks
+from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
 from minirl.config import ConfigError
 from minirl.rollout import check_model
@@ -223,6 +224,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag, file or checkpoint: say which, no traceback
         print(f"{name}: error: {e}", file=sys.stderr)
         code = 2
+    except rewards.RewardError as e:  # a reward function raised, exited or returned no number: which, on what
+        print(f"{name}: error: {e}", file=sys.stderr)
+        code = 1
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         print(f"{name}: stopped: {e}", file=sys.stderr)
         code = 3

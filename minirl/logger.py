@@ -206,15 +206,17 @@ def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], c
     groups whose rewards are all equal (no learning signal), completion lengths, and the share of
     completions cut at --rollout.max-tokens."""
     r = rewards.double().view(-1, group_size)                                        # (groups, G)
-    parts = parts or {}
+    parts = {name: torch.as_tensor(v, dtype=torch.float64) for name, v in (parts or {}).items()}
+    applies = [(~v.isnan()).sum() for v in parts.values()]  # a TRL reward's None (NaN) is left out of its mean
     flat = dist.all_reduce(torch.tensor([r.numel(), r.sum(), r.square().sum(), r.shape[0],
                                          (r.max(1).values == r.min(1).values).sum(), sum(lengths), sum(clipped),
-                                         *(float(sum(v)) for v in parts.values())], dtype=torch.float64))
+                                         *(v.nansum() for v in parts.values()), *applies], dtype=torch.float64))
     n, total, squares, groups, flat_groups, tokens, cut, *sums = flat.tolist()
     far = dist.all_reduce(torch.tensor([max(lengths), -min(lengths)], dtype=torch.float64), "max").tolist()
     mean = total / n
+    k = len(parts)
     return {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
-            **{f"reward/{name}": s / n for name, s in zip(parts, sums)},
+            **{f"reward/{name}": s / max(c, 1) for name, s, c in zip(parts, sums[:k], sums[k:])},
             "frac_reward_zero_std": flat_groups / groups, "completion_len_mean": tokens / n,
             "completion_len_min": -far[1], "completion_len_max": far[0], "completion_clip_ratio": cut / n}
 

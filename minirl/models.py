@@ -269,13 +269,14 @@ def packing_error(model: nn.Module) -> float | None:
 LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits (441 tokens at vocab 151,936)
 
 
-def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False, lengths=None):
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str = False, lengths=None):
     """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
 
     Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
     Sequences are right-padded, so causal attention never lets a real token see a pad.
     `entropy=True` also returns the entropy of each next-token distribution (B, T), from the same
-    forward and without a gradient (a metric: how sure the policy is). `lengths` (B,): the rows'
+    forward and without a gradient (a metric: how sure the policy is); `entropy="grad"` with its
+    gradient (an entropy bonus trains on it). `lengths` (B,): the rows'
     real lengths, host ints; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
     padding-free (batch.Layout) and pad columns come back 0.
 
@@ -291,21 +292,21 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = Fa
     return _chunked_token_logprobs(model, input_ids, entropy, lengths)
 
 
-def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool, lengths):
+def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str, lengths):
     head = model.get_output_embeddings()
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
     name = next(n for n, m in model.named_children() if m is head)
-    setattr(model, name, _ChosenLogprobs(head, ids[:, 1:]))
+    setattr(model, name, _ChosenLogprobs(head, ids[:, 1:], entropy == "grad"))
     try:
         out = model(input_ids=ids, position_ids=lay.positions if lay else None).logits  # (., ., 2)
     finally:
         setattr(model, name, head)
     lp, ent = (_before(x, lay) for x in out.unbind(-1))                 # (B, T) each
-    return (lp, ent.detach()) if entropy else lp
+    return (lp, ent if entropy == "grad" else ent.detach()) if entropy else lp
 
 
-def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool = False, lengths=None):
+def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str = False, lengths=None):
     """The same numbers from the full logits and their float32 log-softmax (the reference; and the
     path for models whose logits are post-processed after `lm_head`)."""
     lay = layout(model, input_ids, lengths)
@@ -315,7 +316,7 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
     lp = _before(nn.functional.pad(logsm.gather(-1, ids[:, 1:, None]).squeeze(-1), (0, 1)), lay)
     if not entropy:
         return lp
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
         ent = -(logsm.exp() * logsm).sum(-1)                             # (., T-1)
     return lp, _before(nn.functional.pad(ent, (0, 1)), lay)
 
@@ -361,15 +362,16 @@ class _ChosenLogprobs(nn.Module):
     """Stands in for `lm_head`: hidden (B, T, H) -> (B, T, 2), the chosen token's log-probability and
     the distribution's entropy; the last position (no next token) is 0."""
 
-    def __init__(self, head: nn.Module, targets: torch.Tensor):
+    def __init__(self, head: nn.Module, targets: torch.Tensor, entropy_grad: bool = False):
         super().__init__()
-        self.head, self.targets = head, targets                         # targets: (B, T-1)
+        self.head, self.targets, self.entropy_grad = head, targets, entropy_grad  # targets: (B, T-1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden.shape
         h = hidden[:, :-1].reshape(-1, H)                               # (N, H), N = B*(T-1)
         step = max(1, LOGITS_CHUNK // self.head.weight.shape[0])
-        both = _ChunkedHead.apply(h, self.head.weight, self.head.bias, self.targets.reshape(-1), step)  # (N, 2)
+        both = _ChunkedHead.apply(h, self.head.weight, self.head.bias, self.targets.reshape(-1), step,
+                                  self.entropy_grad)                    # (N, 2)
         return nn.functional.pad(both.view(B, T - 1, 2), (0, 0, 0, 1))  # (B, T, 2)
 
 
@@ -378,33 +380,38 @@ class _ChunkedHead(torch.autograd.Function):
     `step` tokens of logits at a time. Nothing of a piece is kept for backward but its inputs: backward
     recomputes each piece's logits, and sums the head's weight gradient over the pieces in float32 (each
     piece's product leaves its matmul in float32), casting to the weight's dtype once at the end; with
-    autograd summing per-piece bf16 gradients, every piece would round the running sum to 8 bits."""
+    autograd summing per-piece bf16 gradients, every piece would round the running sum to 8 bits.
+    `entropy_grad`: the entropy's gradient flows too (dH/dz = -p (log p + H)); else it is a metric."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, step: int):
+    def forward(ctx, h, w, b, y, step: int, entropy_grad: bool = False):
         ctx.save_for_backward(h, w, b, y)
-        ctx.step = step
+        ctx.step, ctx.entropy_grad = step, entropy_grad
         pieces = [_piece_logprobs(h[i:i + step], w, b, y[i:i + step]) for i in range(0, h.shape[0], step)]
         return torch.cat(pieces) if pieces else h.new_zeros(0, 2, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad):
         h, w, b, y = ctx.saved_tensors
-        g = grad[:, 0]                                                  # (N,): the entropy has no gradient
+        g = grad[:, 0]                                                  # (N,) d loss / d logprob
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
         db = torch.zeros_like(dw[:, 0]) if b is not None else None
         for i in range(0, h.shape[0], ctx.step):
             hp, yp, gp = h[i:i + ctx.step], y[i:i + ctx.step], g[i:i + ctx.step]
             logits = _float_mm(hp, w.t()) + (wide(b) if b is not None else 0)   # (n, V) float32
-            d = -torch.softmax(logits, -1) * gp[:, None]                         # d logprob / d logit:
+            p = torch.softmax(logits, -1)
+            d = -p * gp[:, None]                                                 # d logprob / d logit:
             d[torch.arange(len(yp), device=d.device), yp] += gp                  # one-hot minus softmax
+            if ctx.entropy_grad:
+                logp = logits - logits.logsumexp(-1, keepdim=True)
+                d -= p * (logp - (p * logp).sum(-1, keepdim=True)) * grad[i:i + ctx.step, 1:]  # dH/dz
             d_in = d.to(h.dtype)
             dh[i:i + ctx.step] = d_in @ w
             dw += _float_mm(d_in.t(), hp)                               # (V, H), summed in float32
             if db is not None:
                 db += d.sum(0)
-        return dh, dw.to(w.dtype), db.to(b.dtype) if db is not None else None, None, None
+        return dh, dw.to(w.dtype), db.to(b.dtype) if db is not None else None, None, None, None
 
 
 def _piece_logprobs(h, w, b, y):

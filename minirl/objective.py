@@ -2,7 +2,7 @@
 
 B6 (docs/invariants.md): the objective returns its normal per-chunk NORMALIZED loss
 and, beside it, the divisor it normalized by (`<prefix>_denom`): the count of masked
-completion tokens after shaping (or of non-empty sequences for a sequence-mean loss), taken
+completion tokens after shaping (or of non-empty sequences for a sequence-mean loss, `_normalize`), taken
 as a data-parallel MEAN (one all-reduce per call). The DP mean composes with FSDP's
 mean-reduced gradients without a world-size factor, and summed over chunks it IS the
 batch's divisor, so the accumulator needs no collective of its own (accumulator.py).
@@ -20,21 +20,33 @@ trained completion tokens.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from minirl import dist
 
 
-def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: Literal["token", "sequence"]):
-    """Local sum of the loss and the DP-mean divisor it is normalized by."""
-    if agg == "token":
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: str, norm_len: int = 1):
+    """Local sum of the loss and the DP-mean divisor it is normalized by, by verl's loss_agg_mode names:
+    - token-mean: every masked token of the step weighs the same; the divisor counts tokens.
+    - seq-mean-token-mean: each sequence's token mean, then the mean over non-empty sequences (the
+      GRPO paper's); seq-mean-token-sum: each sequence's token sum; seq-mean-token-sum-norm: the token
+      sum over a constant `norm_len` (Dr. GRPO: the generation budget, --rollout.max-tokens). The three
+      divide by the count of non-empty sequences, so a micro-batched step is still the whole step's mean.
+    """
+    if agg == "token-mean":
         local_sum = (per_token * mask).sum()
         local_n = mask.sum()
-    else:  # mean over each sequence's tokens, then over non-empty sequences
+    else:
         n_tok = mask.sum(dim=1)                                            # (B,)
-        seq = (per_token * mask).sum(dim=1) / n_tok.clamp_min(1)           # (B,)
+        seq = (per_token * mask).sum(dim=1)                                # (B,): each sequence's token sum
+        if agg == "seq-mean-token-mean":
+            seq = seq / n_tok.clamp_min(1)
+        elif agg == "seq-mean-token-sum-norm":
+            seq = seq / norm_len
         local_sum = seq.sum()
         local_n = (n_tok > 0).sum().to(per_token.dtype)
     divisor = dist.all_reduce(local_n.detach().clone().float(), "avg")  # the DP mean
@@ -43,17 +55,31 @@ def _normalize(per_token: torch.Tensor, mask: torch.Tensor, agg: Literal["token"
     return loss, divisor
 
 
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled token (Schulman's k1, k2, k3;
+    verl's `kl`, `mse`, `low_var_kl`): k1 = l - r, k2 = (l - r)^2 / 2, k3 = exp(r - l) - (r - l) - 1 >= 0."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    return torch.exp(d) - d - 1
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                agg: Literal["token", "sequence"] = "token", prefix: str = "grpo", clip_eps_high: float = 0.0,
-                dual_clip: float = 0.0, entropy: torch.Tensor | None = None):
-    """PPO clipped surrogate (+ kl_coef * k3 KL to the reference), normalized per chunk.
+                agg: str = "token-mean", prefix: str = "grpo", clip_eps_high: float = 0.0, dual_clip: float = 0.0,
+                entropy: torch.Tensor | None = None, kl_estimator: str = "k3", entropy_coef: float = 0.0,
+                norm_len: int = 1):
+    """PPO clipped surrogate (+ kl_coef x a KL estimate to the reference, - entropy_coef x the entropy),
+    normalized per chunk as `agg` says (`_normalize`).
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high 0 = clip_eps; DAPO's
     "clip-higher" sets it larger). `dual_clip` c > 1 (verl's clip_ratio_c) bounds the loss of a
     token with a negative advantage by -c * A, however far its ratio has grown (0 = off).
     advantages: (B, T) or (B,) (a sequence-level advantage, broadcast over tokens).
-    `entropy` (B, T), the policy's per-token entropy from the same forward, is only reported.
+    `entropy` (B, T), the policy's per-token entropy from the same forward, is reported, and with
+    entropy_coef > 0 a bonus (it must carry its graph then: `models.token_logprobs(entropy="grad")`).
     Returns (loss, divisor, metrics); metrics are local to this rank and chunk, 0-dim device tensors
     but the row count.
     """
@@ -68,10 +94,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     per_token = pg
     kl = None
     if ref_logp is not None and kl_coef:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1                                           # k3 estimator, >= 0
-        per_token = pg + kl_coef * kl
-    loss, divisor = _normalize(per_token, mask, agg)
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + kl_coef * kl
+    if entropy_coef:
+        per_token = per_token - entropy_coef * entropy
+    loss, divisor = _normalize(per_token, mask, agg, norm_len)
 
     with torch.no_grad():
         n_tok = mask.sum()
@@ -102,7 +129,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     mask = mask.to(values.dtype)
     clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    loss, divisor = _normalize(per_token, mask, "token")
+    loss, divisor = _normalize(per_token, mask, "token-mean")
     with torch.no_grad():
         n_tok = mask.sum()
         m = {

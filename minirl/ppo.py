@@ -154,6 +154,8 @@ def pump_config(args: PPOArgs, step: int, colocated: bool) -> PumpConfig:
     p = args.ppo
     return PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
                       clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip, kl_coef=p.kl_coef,
+                      kl_estimator=p.kl_estimator, entropy_coef=p.entropy_coef, loss_agg_mode=p.loss_agg_mode,
+                      max_tokens=args.rollout.max_tokens,
                       value_max_grad_norm=p.max_grad_norm, value_clip_eps=p.clip_eps,
                       normalize_advantages=p.adv_estimator.normalize_advantages,
                       critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=step < p.critic_warmup_steps,

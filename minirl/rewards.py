@@ -1,9 +1,16 @@
 """Rewards: text in, a float out. Model output is parsed or compared, never executed.
 
-A reward function is `f(completion: str, answer: str) -> float`: the completion as decoded text
-(special tokens dropped), the reference answer as the task holds it. `--task.reward module:function`
-names one, imported by name when the flags are checked; repeat the flag for several, weighted by
-`--task.reward-weights` (default 1 each). With none given, the task's own is used:
+`--task.reward` names a reward function as `module:function`, `pkg.module.function` or
+`path/to/file.py:function`; repeat the flag for several, weighted by `--task.reward-weights` (default 1
+each). Each is imported, and called once on the first training row with an empty completion, when the
+flags are checked, before any model is built. Its form is decided once from its parameters (`kind`):
+- minirl's `f(completion: str, answer: str) -> float`: the completion as decoded text (special tokens
+  dropped), the reference answer as the task holds it.
+- TRL's batched form, `f(completions, **kwargs) -> list[float | None]`: `prompts`, `completions` (chat
+  messages when the prompt was), `completion_ids` and every other column of the rows as keywords.
+- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, a float or a dict
+  with its "score".
+With none given, the task's own is used:
 - `count`: the built-in task; exactly the count, nothing else.
 - `gsm8k`: a JSONL task's default, `--task.answer-format strict`: for a numeric reference exactly verl's
   strict GSM8K score (verl/utils/reward_score/gsm8k.py): in the completion's last 300 characters, the
@@ -21,14 +28,20 @@ task was won by writing the count and padding every completion to the cap.
 `Scorer` applies the functions, their weights and the rule to a batch. It keeps each function's own
 values (their means are `reward/<name>` in the metrics), as TRL's `reward_funcs`/`reward_weights` and
 verl's `custom_reward_function` do. The first function is the one `eval_accuracy` reports on the
-held-out prompts.
+held-out prompts. A function that raises, exits or returns what is not a finite number ends the run
+(`RewardError`: one line naming it and the completion); one whose every reward of the first 10 training
+batches is 0 is warned about once (`Scorer.watch`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import math
+import os
 import re
+import sys
 from typing import Callable
 
 from minirl.config import ConfigError
@@ -80,21 +93,61 @@ def normalise(text: str) -> str:
 BUILT_IN = {"count": "minirl.rewards:count", "strict": "minirl.rewards:gsm8k",
             "flexible": "minirl.rewards:gsm8k_flexible"}
 
+FORMS = {  # how each kind of reward function is called, as the errors describe it
+    "minirl": "f(completion: str, answer: str) -> float",
+    "trl": "TRL's f(completions, prompts=..., completion_ids=..., **columns) -> list[float | None]",
+    "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float or "
+            "{'score': float, ...}"}
 
-def load(spec: str) -> Callable[[str, str], float]:
-    """The callable that `module:function` names, imported by name; a ConfigError says what is wrong."""
-    module, _, name = spec.partition(":")
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned what is not a reward: (its spec, what it was given, why)."""
+
+    def __str__(self) -> str:
+        spec, on, why = self.args
+        return f"--task.reward {spec} failed on {on}: {why}"
+
+
+def load(spec: str) -> Callable:
+    """The callable `spec` names: `module:function`, `pkg.module.function` or `path/to/file.py:function`,
+    imported when the flags are checked (the working directory is on the path, as for `python -m`);
+    a ConfigError says what is wrong."""
+    module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not module or not name:
-        raise ConfigError(f"--task.reward={spec!r}: give module:function, e.g. minirl.rewards:gsm8k")
+        raise ConfigError(f"--task.reward={spec!r}: give module:function, e.g. minirl.rewards:gsm8k (or "
+                          "pkg.module.function, or path/to/file.py:function)")
+    if os.getcwd() not in sys.path:  # console scripts do not put it there; `python -m` does
+        sys.path.insert(0, os.getcwd())
     try:
-        fn = getattr(importlib.import_module(module), name)
+        if module.endswith(".py"):
+            if not os.path.isfile(module):
+                raise ConfigError(f"--task.reward={spec!r}: no file {module}")
+            found = importlib.util.spec_from_file_location(f"minirl_reward_{abs(hash(os.path.abspath(module)))}",
+                                                           module)
+            mod = importlib.util.module_from_spec(found)
+            found.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"--task.reward={spec!r}: cannot import {module} ({e}); is it on PYTHONPATH?") from e
-    except AttributeError:
-        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}") from None
+    except (Exception, SystemExit) as e:  # a syntax error, or the module raised while it was imported
+        raise ConfigError(f"--task.reward={spec!r}: importing {module} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}")
     if not callable(fn):
         raise ConfigError(f"--task.reward={spec!r} is not a function")
     return fn
+
+
+def kind(fn: Callable) -> str:
+    """Which way a reward function is called, decided once from its parameters' names: verl's
+    compute_score (`solution_str` or `ground_truth`), TRL's batched form (`completions`), or minirl's."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: called as minirl's
+        return "minirl"
+    return "verl" if {"solution_str", "ground_truth"} & set(params) else "trl" if "completions" in params else "minirl"
 
 
 class Scorer:
@@ -108,23 +161,85 @@ class Scorer:
             raise ConfigError(f"--task.reward-weights={weights} must be finite numbers")
         self.specs, self.weights = specs, weights or [1.0] * len(specs)
         self.fns = [load(s) for s in specs]
-        short = [s.partition(":")[2] for s in specs]
+        self.kinds = [kind(fn) for fn in self.fns]
+        short = [s.replace(":", ".").rpartition(".")[2] for s in specs]
         self.names = [n if short.count(n) == 1 else s for n, s in zip(short, specs)]  # reward/<name>
+        self.say, self.zero_batches = print, 0  # the run's console (run.Run sets it); all-zero batches so far
 
-    def __call__(self, texts: list[str], answers: list[str], clipped: list[bool]) -> tuple[list, list[list]]:
+    def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
+                 completion_ids: list | None = None) -> tuple[list, list[list]]:
         """Rewards of a batch (the weighted sum), and each function's own values ([function][row]);
-        a row the cap cut earns 0 from every function."""
-        parts = [[0.0 if cut else self._one(spec, fn, t, a) for t, a, cut in zip(texts, answers, clipped)]
-                 for spec, fn in zip(self.specs, self.fns)]
-        return [sum(w * v for w, v in zip(self.weights, col)) for col in zip(*parts)], parts
+        a row the cap cut earns 0 from every function. `rows`: the data rows (tasks.Problem.row) whose
+        columns TRL's and verl's forms take. A TRL function's None (not applicable) is NaN in its own
+        values and adds nothing to the sum."""
+        rows = rows or [{} for _ in texts]
+        parts = [[0.0 if cut else v for v, cut in zip(self._values(i, texts, answers, rows, completion_ids), clipped)]
+                 for i in range(len(self.fns))]
+        return [sum(w * v for w, v in zip(self.weights, col) if v == v) for col in zip(*parts)], parts
 
-    @staticmethod
-    def _one(spec: str, fn, text: str, answer: str) -> float:
+    def _values(self, i: int, texts, answers, rows, completion_ids) -> list[float]:
+        fn, form = self.fns[i], self.kinds[i]
         try:
-            return float(fn(text, answer))
-        except Exception as e:
-            raise RuntimeError(f"--task.reward {spec} failed on the completion {text[:200]!r}: "
-                               f"{type(e).__name__}: {e}") from e
+            if form == "trl":
+                chat = [isinstance(r.get("prompt"), list) for r in rows]
+                columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r if k != "prompt"}
+                got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
+                            completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+                            **columns)
+                if not isinstance(got, (list, tuple)) or len(got) != len(texts):
+                    raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
+                return [math.nan if v is None else _reward(v) for v in got]
+            if form == "verl":
+                return [_reward(_call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
+                                      extra_info=r.get("extra_info"))) for t, a, r in zip(texts, answers, rows)]
+            return [_reward(fn(t, a)) for t, a in zip(texts, answers)]
+        except (Exception, SystemExit) as e:  # a library's exit() too: the run must not end as if it had finished
+            on = f"the completion {texts[0][:200]!r}{' (the first of the batch)' if len(texts) > 1 else ''}"
+            raise RewardError(self.specs[i], on, f"{type(e).__name__}: {e}; it is called as {FORMS[form]}") from e
+
+    def check(self, problem) -> None:
+        """Call every function once on `problem` with an empty completion (before any model is built): one
+        that cannot be called that way, or returns what is not a reward, is a ConfigError naming it."""
+        try:
+            self([""], [problem.answer], [False], [problem.row], [[]])
+        except RewardError as e:
+            spec, _, why = e.args
+            raise ConfigError(f"--task.reward {spec} failed on an empty completion and the first training row: {why}"
+                              ) from None
+
+    def watch(self, rewards: list[float], texts: list[str], answers: list[str]) -> None:
+        """Say once if every reward of the first 10 training batches was 0: a function that never pays
+        (a wrong signature, a format the model does not write) looks like a run that does not learn."""
+        if self.zero_batches < 0:
+            return
+        self.zero_batches = -1 if any(rewards) else self.zero_batches + 1
+        if self.zero_batches == 10:
+            self.say(f"warning: every reward of the first 10 steps' batches was 0 ({', '.join(self.specs)}); e.g. "
+                     f"{texts[0][:200]!r} against the answer {answers[0]!r}. Check the function and the format")
+            self.zero_batches = -1
+
+
+def _call(fn, **kwargs):
+    """fn with the keywords it takes (all of them to a **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(**kwargs)
+
+
+def _reward(value) -> float:
+    """A finite float from what a reward function returned (verl's dict: its "score")."""
+    if isinstance(value, dict) and "score" in value:
+        value = value["score"]
+    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):  # a bool is a number: 1 or 0
+        raise TypeError(f"returned {_shown(value)}, not a number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"returned {value}, not a finite number")
+    return float(value)
+
+
+def _shown(value) -> str:
+    return f"{type(value).__name__} {str(value)[:60]!r}"
 
 
 def scorer(cfg) -> Scorer:

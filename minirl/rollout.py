@@ -192,6 +192,7 @@ class Engine:
         params = [SamplingParams(n=group_size, max_tokens=max_tokens or self.cfg.max_tokens, logprobs=0,
                                  min_tokens=0 if greedy else self.cfg.min_tokens,
                                  temperature=0.0 if greedy else self.cfg.temperature,
+                                 top_p=1.0 if greedy else self.cfg.top_p, top_k=0 if greedy else self.cfg.top_k,
                                  seed=None if greedy else request_seed(self.seed, pid),
                                  detokenize=False, skip_clone=True)  # fresh objects: a shallow copy is safe
                   for pid in prompt_ids]

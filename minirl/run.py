@@ -49,6 +49,7 @@ class Run:
                           tensorboard=args.log.tensorboard, wandb_project=args.log.wandb_project,
                           config=args.to_dict(), total_steps=args.steps, samples=args.log.samples, device=world.device)
         self.info, self.mark = self.log.info, self.log.mark
+        ready.task.scorer.say = self.info  # its warnings go to the run's console and log
         group = "rl" if self.loop == "grpo" else "ppo"  # the optimizer's flags (config.OptimConfig)
         opt = getattr(args, group)
         self.stall = Stall(opt.max_skipped_steps,

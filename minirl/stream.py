@@ -67,6 +67,10 @@ class PumpConfig:
     dual_clip: float = 0.0           # verl's clip_ratio_c for negative advantages; 0 = off
     value_clip_eps: float = 0.2
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    max_tokens: int = 1              # seq-mean-token-sum-norm's constant (--rollout.max-tokens)
     value_max_grad_norm: float = 0.0  # clip the critic's gradient norm (0 = no clip)
     normalize_advantages: bool = True
     critic_ppo_epochs: int = 1
@@ -154,7 +158,8 @@ class TrainPump:
                     refs.append(token_logprobs(self.ref, part["input_ids"], lengths=part.get("lengths")))  # no graph yet
             self.events.append("policy.forward")
             with torch.set_grad_enabled(not self.cfg.critic_warmup):  # warmup: pi_old only, no backward follows
-                logp, entropy = token_logprobs(self.policy, part["input_ids"], entropy=True,
+                logp, entropy = token_logprobs(self.policy, part["input_ids"],
+                                               entropy="grad" if self.cfg.entropy_coef else True,
                                                lengths=part.get("lengths"))
             has_engine = "rollout_logp" in part
             old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
@@ -242,7 +247,9 @@ class TrainPump:
     def _policy_backward(self, logp: torch.Tensor, c: dict, entropy: torch.Tensor | None = None) -> None:
         loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], self.cfg.clip_eps, c["ref_logp"],
                                        self.cfg.kl_coef, prefix="ppo", clip_eps_high=self.cfg.clip_eps_high,
-                                       dual_clip=self.cfg.dual_clip, entropy=entropy)
+                                       dual_clip=self.cfg.dual_clip, entropy=entropy, kl_estimator=self.cfg.kl_estimator,
+                                       entropy_coef=self.cfg.entropy_coef, agg=self.cfg.loss_agg_mode,
+                                       norm_len=self.cfg.max_tokens)
         self.events.append("policy.backward")
         self.policy_acc.backward(loss, divisor)  # a non-finite loss poisons the step's window (B12)
         self.calls.append(m)

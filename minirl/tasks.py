@@ -3,7 +3,8 @@
 - `CountTask` (built in): "how many a's in this string?" e.g. prompt `abbab#a=`, answer `2`.
   Problems are a pure function of (seed, index); the held-out set is disjoint from training
   by construction (a string is held out iff its hash says so), so eval accuracy is honest.
-- `JsonlTask`: {"prompt": ..., "answer": ...} per line; GSM8K answers (`... #### 42`) are cut
+- `JsonlTask`: a JSONL or Parquet file of rows as TRL and verl users have them: a prompt as text or chat
+  messages, an answer under `answer`, `solution` or a named key; GSM8K answers (`... #### 42`) are cut
   to the number after `####`.
 - Rewards are rewards.py's: `make_task` gives every task its `scorer` (--task.reward, or the
   task's own strict one), and `held_out` scores greedy completions of the held-out prompts with it.
@@ -23,7 +24,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,8 +54,9 @@ def dp_partition(keys: list[tuple[int, int]], rank: int, dp: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
-    answer: str
+    prompt: str                                            # the text the engine is given (chat template applied)
+    answer: str                                            # the reference, as the reward functions get it
+    row: dict = field(default_factory=dict, compare=False)  # the data row, every column (rewards ask for them)
 
 
 class CountTask:
@@ -95,18 +97,25 @@ class CountTask:
 
 
 class JsonlTask:
-    """Prompts and reference answers from a JSONL file; a GSM8K reference (`... #### 42`) is cut to `42`.
+    """Prompts and reference answers from a JSONL or Parquet file; a GSM8K reference (`... #### 42`) is cut to `42`.
 
-    Every line is checked when the task loads, before any model is built: a JSON object whose
-    "prompt" and "answer" are strings (not null, a number, an object or a list), and, given the
-    tokenizer, a prompt within --rollout.max-prompt-tokens. A bad line is a ConfigError naming
-    file:line and the flag."""
+    A row's "prompt" is text, or chat messages (`[{"role": "user", "content": ...}]`, TRL's conversational
+    rows and verl's), which go through the model's chat template (`add_generation_prompt`, as verl's dataset
+    does). The answer is the first of `answer_key` (--task.answer-key, dotted for a nested key), "answer",
+    "solution" and verl's "reward_model.ground_truth"; a number is read as its text. Every row keeps all its
+    columns (`Problem.row`) for the reward functions that ask for them. Every row is checked when the task
+    loads, before any model is built, and, given the tokenizer, its prompt against --rollout.max-prompt-tokens:
+    a bad row is a ConfigError naming file:line (or row) and the flag."""
 
-    def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0):
-        rows = self._read(path, "--task.path", tok, limit)
+    ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
+
+    def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
+                 answer_key: str = ""):
+        keys = (answer_key,) if answer_key else self.ANSWER_KEYS
+        rows = self._read(path, "--task.path", tok, limit, keys)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
-            self.eval_set, self.rows = self._read(eval_path, "--task.eval-path", tok, limit)[:eval_prompts], rows
+            self.eval_set, self.rows = self._read(eval_path, "--task.eval-path", tok, limit, keys)[:eval_prompts], rows
         else:
             k = min(eval_prompts, len(rows) // 5)
             self.eval_set, self.rows = rows[:k], rows[k:]
@@ -114,33 +123,17 @@ class JsonlTask:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
     @classmethod
-    def _read(cls, path: str, flag: str, tok, limit: int) -> list[Problem]:
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.readlines()
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}); convert it, "
-                              "e.g. iconv -t utf-8") from e
+    def _read(cls, path: str, flag: str, tok, limit: int, keys: tuple[str, ...]) -> list[Problem]:
         rows = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{flag}: {path}:{n}"
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not JSON ({e})") from e
+        for where, r in _records(path, flag):
             if not isinstance(r, dict):
                 raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
                                   f"{type(r).__name__}")
-            for key in ("prompt", "answer"):
-                if not isinstance(r.get(key), str):
-                    got = "missing" if key not in r else f"a {type(r[key]).__name__}"
-                    raise ConfigError(f"{where}: \"{key}\" must be a string, got {got}")
-            if tok is not None and limit and len(tok(r["prompt"], add_special_tokens=False).input_ids) > limit:
+            prompt = _prompt_text(r, tok, where)
+            if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
                 raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                   "raise the flag or shorten the prompt")
-            rows.append(Problem(r["prompt"], cls._reference(r["answer"])))
+            rows.append(Problem(prompt, cls._reference(_answer(r, keys, where)), r))
         return rows
 
     @staticmethod
@@ -150,6 +143,68 @@ class JsonlTask:
 
     def train_problem(self, index: int) -> Problem:
         return self.rows[index % len(self.rows)]
+
+
+def _records(path: str, flag: str):
+    """(where, row) for each row of a JSONL file, or of a Parquet file (by its name or its magic bytes)."""
+    with open(path, "rb") as f:
+        parquet = path.endswith(".parquet") or f.read(4) == b"PAR1"
+    if parquet:
+        try:
+            import pyarrow.parquet
+        except ImportError:
+            raise ConfigError(f"{flag}={path!r} is a Parquet file, which needs pyarrow: "
+                              "pip install -e '.[parquet]'") from None
+        for n, r in enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1):
+            yield f"{flag}: {path}: row {n}", r
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}): a JSONL file is UTF-8 "
+                          "text, one JSON object a line (a Parquet file is read as one when its name ends in "
+                          ".parquet)") from e
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield f"{flag}: {path}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag}: {path}:{n}: not JSON ({e})") from e
+
+
+def _prompt_text(row: dict, tok, where: str) -> str:
+    """A row's prompt as the engine's text: itself, or chat messages through the tokenizer's template."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if not (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt)):
+        got = "missing" if "prompt" not in row else f"a {type(prompt).__name__}"
+        raise ConfigError(f"{where}: \"prompt\" must be a string or a list of chat messages "
+                          f"[{{\"role\": ..., \"content\": ...}}], got {got}")
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
+                          "template to render them; give the prompt as text, or a model with a template")
+    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def _answer(row: dict, keys: tuple[str, ...], where: str) -> str:
+    """The row's reference under the first key present (dotted: nested), as text."""
+    for key in keys:
+        value = row
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            break
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(int(value)) if float(value).is_integer() else repr(value)
+    if not isinstance(value, str):
+        got = "missing" if value is None else f"a {type(value).__name__}"
+        raise ConfigError(f"{where}: the answer ({' or '.join(keys)}) must be a string or a number, got {got}; "
+                          "name its column with --task.answer-key")
+    return value
 
 
 def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by: int = 2) -> None:
@@ -202,7 +257,11 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
     prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
     samples = engine.generate(prompts, ids, group_size, greedy=greedy)
     texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
-    rewards, parts = task.scorer(texts, [q.answer for q in problems for _ in range(group_size)], samples.clipped)
+    rows = [q for q in problems for _ in range(group_size)]
+    answers = [q.answer for q in rows]
+    rewards, parts = task.scorer(texts, answers, samples.clipped, [q.row for q in rows], samples.completion_tokens)
+    if not greedy:  # training batches: a function that never pays is said once
+        task.scorer.watch(rewards, texts, answers)
     samples.texts = texts
     return samples, rewards, parts
 
@@ -237,13 +296,14 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                               f"{CountTask.max_len + 3} tokens")
         task = CountTask(seed, cfg.eval_prompts)
     else:
-        task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit)
+        task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key)
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
         raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path, raise --task.eval-prompts, "
                           "or turn evaluation off with --log.eval-every 0")
     task.scorer = rewards.scorer(cfg)
+    task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     return task
 
 

@@ -180,6 +180,24 @@ def test_entropy_from_the_chunked_head_equals_the_full_distributions(tiny_path, 
     assert not ent.requires_grad and (ent[:, 1:] > 0).all() and (ent[:, 0] == 0).all()
 
 
+def test_the_entropy_bonus_gradient_through_the_chunked_head_equals_the_full_distributions(tiny_path, monkeypatch):
+    """entropy="grad": the chunked head's backward adds dH/dz = -p (log p + H) per piece; a loss of
+    logprobs and entropies gives the plain head's gradients (in float64, as above)."""
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 5 * 50)
+    ids = torch.randint(3, 40, (3, 9), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for fn in (models.token_logprobs, models.plain_token_logprobs):
+        model = models.load_policy(tiny_path).double()
+        lp, ent = fn(model, ids, entropy="grad")
+        (lp.sum() + 0.7 * ent.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) < 1e-10
+    model = models.load_policy(tiny_path).double()
+    _, ent = models.token_logprobs(model, ids, entropy="grad")
+    ent.sum().backward()  # the entropy alone trains the head: its gradient is not dropped
+    assert model.get_output_embeddings().weight.grad.abs().max().item() > 1e-6
+
+
 @pytest.mark.parametrize("broken, says", [
     (lambda d: (d / "config.json").write_text("{}"), "names no model_type"),
     (lambda d: [os.remove(d / n) for n in os.listdir(d) if n.startswith(("tokenizer", "vocab", "special", "merges"))],

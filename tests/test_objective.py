@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minirl.objective import policy_loss, value_loss
+from minirl.objective import AGG_MODES, KL_ESTIMATORS, kl_penalty, policy_loss, value_loss
 
 
 def _inputs(seed=0, B=6, T=9):
@@ -32,8 +32,46 @@ def test_policy_loss_divisor_is_masked_token_count(world):
 def test_sequence_mean_divisor_counts_nonempty_sequences(world):
     logp, old, adv, mask = _inputs(1)
     mask[2] = 0.0
-    _, divisor, _ = policy_loss(logp, old, adv, mask, 0.2, agg="sequence")
-    assert divisor.item() == 5
+    for agg in AGG_MODES[1:]:
+        _, divisor, _ = policy_loss(logp, old, adv, mask, 0.2, agg=agg)
+        assert divisor.item() == 5, agg
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_each_loss_agg_mode_is_verls_on_one_chunk(world, agg):
+    """verl's agg_loss (trainer/ppo/core_algos.py) written out, on a chunk with no empty row. For
+    seq-mean-token-sum-norm verl divides the token sum by the mask's width per micro-batch; minirl by
+    the constant --rollout.max-tokens and the sequence count, so a micro-batched step stays exact."""
+    logp, old, adv, mask = _inputs(8)
+    mask[:, 0] = 1.0
+    loss, _, _ = policy_loss(logp, old, adv, mask, 0.2, agg=agg, norm_len=mask.shape[1])
+    A = adv[:, None].expand_as(logp)
+    ratio = torch.exp(logp - old)
+    mat = -torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A)
+    seq = (mat * mask).sum(-1)
+    want = {"token-mean": (mat * mask).sum() / mask.sum(), "seq-mean-token-sum": seq.mean(),
+            "seq-mean-token-mean": (seq / mask.sum(-1)).mean(),
+            "seq-mean-token-sum-norm": seq.sum() / mask.shape[-1] / mask.shape[0]}[agg]
+    torch.testing.assert_close(loss, want)
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimators_are_verls_kl_mse_and_low_var_kl(world, estimator):
+    """verl's kl_penalty: k1 ("kl") l - r, k2 ("mse") (l - r)^2 / 2, k3 ("low_var_kl") exp(r - l) - (r - l) - 1."""
+    logp, _, _, _ = _inputs(9)
+    ref = logp + 0.5 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    want = {"k1": logp - ref, "k2": 0.5 * (logp - ref) ** 2, "k3": torch.exp(ref - logp) - (ref - logp) - 1}
+    torch.testing.assert_close(kl_penalty(logp, ref, estimator), want[estimator])
+
+
+def test_the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_mean_entropy(world):
+    logp, old, adv, mask = _inputs(10)
+    ent = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) * 2).requires_grad_(True)
+    base, _, _ = policy_loss(logp, old, adv, mask, 0.2, entropy=ent)
+    bonus, _, m = policy_loss(logp, old, adv, mask, 0.2, entropy=ent, entropy_coef=0.05)
+    torch.testing.assert_close(base - bonus, 0.05 * (ent * mask).sum() / mask.sum())
+    bonus.backward()
+    torch.testing.assert_close(ent.grad, -0.05 * mask / mask.sum())
 
 
 def test_all_empty_chunk_gives_zero_loss_and_zero_divisor_not_nan(world):

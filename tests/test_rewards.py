@@ -1,6 +1,8 @@
 """rewards.py: strict built-in rewards, the cap rule, plugged-in functions with weights."""
 
 import json
+import math
+import re
 import sys
 
 import pytest
@@ -151,3 +153,122 @@ def test_the_format_reward_in_forking_md_plugs_in_as_written(tmp_path, monkeypat
     total, parts = s(["so 6 * 7\n#### 42", "#### 42 and I could go on", "#### 41"], ["42"] * 3, [False] * 3)
     assert parts == [[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]] and total == pytest.approx([1.2, 1.0, 0.2])
     sys.modules.pop("myrewards_doc", None)
+
+
+FORMS = '''
+def trl_batched(completions, answer, **kwargs):
+    return [None if a == "9" else float(c == a) for c, a in zip(completions, answer)]
+
+
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "extra": data_source}
+
+
+def verl_keywords(data_source=None, solution_str=None, ground_truth=None, **kw):
+    """verl's keyword style: called positionally as f(completion, answer) it scored 0 on everything."""
+    return float(solution_str == ground_truth)
+
+
+def exits(completion, answer):
+    raise SystemExit(0)
+
+
+def wrong_arity(completion):
+    return 1.0
+
+
+def says_yes(completion, answer):
+    return "yes"
+
+
+def nan(completion, answer):
+    return float("nan")
+
+
+def never_pays(completion, answer):
+    return 0.0
+'''
+
+
+@pytest.fixture
+def forms(tmp_path, monkeypatch):
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scores.py").write_text(FORMS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for m in ("userpkg", "userpkg.scores"):
+        sys.modules.pop(m, None)
+
+
+@pytest.mark.parametrize("spec", ["userpkg.scores:trl_batched", "userpkg.scores.trl_batched", "FILE:trl_batched"])
+def test_trls_batched_form_is_called_once_per_batch_with_the_columns_and_its_none_adds_nothing(forms, spec):
+    """Each way of naming it (module:function, TRL's dotted path, verl's file path); `answer` reaches it
+    as a column; None (not applicable) is NaN in its own values and 0 in the weighted sum."""
+    spec = spec.replace("FILE", str(forms / "userpkg" / "scores.py"))
+    s = Scorer([spec, "minirl.rewards:count"], [1.0, 0.5])
+    assert s.kinds == ["trl", "minirl"] and s.names == ["trl_batched", "count"]
+    rows = [{"prompt": "q", "answer": a} for a in ("3", "9", "3")]
+    total, parts = s(["3", "9", "4"], ["3", "9", "3"], [False] * 3, rows, [[1], [2], [3]])
+    assert total == [1.5, 0.5, 0.0]
+    assert parts[0][0] == 1.0 and math.isnan(parts[0][1]) and parts[0][2] == 0.0
+
+
+def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read(forms):
+    s = Scorer(["userpkg.scores:verl_score", "userpkg.scores:verl_keywords"], [])
+    assert s.kinds == ["verl", "verl"]
+    rows = [{"data_source": "gsm8k", "extra_info": {"i": 0}}] * 2
+    total, parts = s(["42", "41"], ["42", "42"], [False, False], rows)
+    assert parts == [[1.0, 0.0], [1.0, 0.0]] and total == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("name, says", [
+    ("wrong_arity", "TypeError"), ("says_yes", "returned str 'yes', not a number"),
+    ("nan", "not a finite number"), ("exits", "SystemExit"),
+])
+def test_a_reward_that_cannot_be_called_so_is_refused_before_any_model_naming_it(forms, name, says):
+    s = Scorer([f"userpkg.scores:{name}"], [])
+    with pytest.raises(ConfigError, match=rf"--task.reward userpkg.scores:{name} failed on an empty completion and the first training row: "
+                                          rf".*{re.escape(says)}.*it is called as f\(completion: str, answer: str\)"):
+        s.check(rewards_row())
+
+
+def rewards_row():
+    from minirl.tasks import Problem
+    return Problem("q", "3", {"prompt": "q", "answer": "3"})
+
+
+def test_a_reward_that_exits_during_the_run_ends_it_naming_the_function(forms):
+    """A library's exit() inside a reward must not end the run as if it had finished (exit 0, nothing saved)."""
+    with pytest.raises(rewards.RewardError, match=r"userpkg.scores:exits failed on the completion '3'.*SystemExit"):
+        Scorer(["userpkg.scores:exits"], [])(["3"], ["3"], [False])
+
+
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_rw.py").write_text("def f(c, a):\n    return 1.0 +\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"--task.reward='broken_rw:f': importing broken_rw failed: SyntaxError"):
+        rewards.load("broken_rw:f")
+
+
+def test_a_reward_module_in_the_working_directory_is_found_as_with_python_m(tmp_path, monkeypatch):
+    (tmp_path / "here_rw.py").write_text("def f(completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert rewards.load("here_rw:f")("", "") == 1.0
+    sys.modules.pop("here_rw", None)
+
+
+def test_a_reward_that_never_pays_is_warned_about_once_after_ten_batches(forms):
+    s = Scorer(["userpkg.scores:never_pays"], [])
+    said = []
+    s.say = said.append
+    for _ in range(12):
+        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
+    assert len(said) == 1 and "first 10 steps" in said[0] and "'7' against the answer '3'" in said[0]
+    paid = Scorer(["minirl.rewards:count"], [])
+    paid.say = said.append
+    for r in ([0.0], [1.0]) + ([0.0],) * 12:
+        paid.watch(r, ["x"], ["3"])
+    assert len(said) == 1  # a run that paid once is never warned

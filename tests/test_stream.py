@@ -261,12 +261,14 @@ def test_critic_micro_batches_equal_the_whole_batch_step(models, world):
     assert max((a - b).abs().max().item() for a, b in zip(g_w, g_s)) <= 1e-6 * scale
 
 
-def test_policy_micro_batches_equal_the_whole_chunk_step(models, world):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_policy_micro_batches_equal_the_whole_chunk_step(models, world, agg):
     """--ppo.policy-micro-batch-rows: each chunk's policy forward/backward in micro-batches (a ragged
-    last one included) gives the same step, and the same frozen pi_old, as whole chunks."""
+    last one included) gives the same step, and the same frozen pi_old, as whole chunks, under each
+    --ppo.loss-agg-mode."""
     chunks = [make_chunk(*c) for c in CHUNKS]
-    whole, _ = run(models, chunks, normalize_advantages=False)
-    split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3)
+    whole, _ = run(models, chunks, normalize_advantages=False, loss_agg_mode=agg, max_tokens=8)
+    split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3, loss_agg_mode=agg, max_tokens=8)
     assert split.events.count("policy.backward") == 2 + 2 + 1
     g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen
     scale = max(g.abs().max().item() for g in g_w)

@@ -66,10 +66,15 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
 
 
 @pytest.mark.parametrize("line, says", [
-    ('{"prompt": null, "answer": "1"}', '"prompt" must be a string, got a NoneType'),
-    ('{"prompt": "q", "answer": 42}', '"answer" must be a string, got a int'),
-    ('{"prompt": {"text": "q"}, "answer": "1"}', '"prompt" must be a string, got a dict'),
-    ('{"prompt": "q"}', '"answer" must be a string, got missing'),
+    ('{"prompt": null, "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
+    ('{"prompt": "q", "answer": true}', 'the answer (answer or solution or reward_model.ground_truth) must be a '
+                                        'string or a number, got a bool; name its column with --task.answer-key'),
+    ('{"prompt": {"text": "q"}, "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
+    ('{"prompt": [{"role": "user"}], "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
+    ('{"prompt": "q"}', 'the answer (answer or solution or reward_model.ground_truth) must be a string or a number, '
+                        'got missing'),
+    ('{"answer": "1"}', '"prompt" must be a string or a list of chat messages [{"role": ..., "content": ...}], '
+                        'got missing'),
     ('[1, 2]', "expected an object"),
     ('{"prompt": "q", ', "not JSON"),
 ])

@@ -1,0 +1,168 @@
+"""Datasets and reward functions as TRL and verl users have them, run unchanged (tasks.py, rewards.py).
+
+Two GRPO runs of 2 steps with the real engine: a TRL conversational JSONL (a `solution` column) with
+TRL's batched reward named as `path/file.py:function`, and a verl row file (Parquet to train on, JSONL
+held out) with verl's `compute_score`. The tiny model gets a chat template for them: the user's
+message, then `=` as the generation prompt, so `{"role": "user", "content": "abba#a"}` renders as the
+built-in task's prompt `abba#a=`.
+"""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import run
+from minirl.config import ConfigError, TaskConfig
+from minirl.models import load_tokenizer
+from minirl.tasks import CountTask, make_task
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+TRL_REWARD = '''
+def correct(completions, solution, **kwargs):
+    """TRL's conversational form: each completion is a list of messages."""
+    return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
+
+
+def short(completions, completion_ids, solution, **kwargs):
+    """None: "not applicable" (here to the count 0)."""
+    return [None if s == "0" else float(len(ids) <= 2) for ids, s in zip(completion_ids, solution)]
+'''
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "count" and extra_info["split"] in ("train", "test")
+    return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth}
+'''
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(tiny_path, d)
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    return d
+
+
+def problems(n, seed=3):
+    task = CountTask(seed, 0)
+    return [task.train_problem(i) for i in range(n)]
+
+
+def trl_rows(n):
+    return [{"prompt": [{"role": "user", "content": p.prompt[:-1]}], "solution": p.answer} for p in problems(n)]
+
+
+def verl_rows(n, split):
+    return [{"data_source": "count", "prompt": [{"role": "user", "content": p.prompt[:-1]}], "ability": "count",
+             "reward_model": {"style": "rule", "ground_truth": p.answer}, "extra_info": {"split": split, "index": i}}
+            for i, p in enumerate(problems(n, seed=3 if split == "train" else 4))]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def records(d):
+    return [r for r in map(json.loads, open(d / "metrics.jsonl")) if "reward_mean" in r]
+
+
+GRPO_2 = ["--steps", "2", "--log.eval-every", "2", "--rl.batch-per-replica", "16", "--rl.group-size", "4",
+          "--task.name", "jsonl", "--task.eval-prompts", "8"]
+
+
+def test_a_trl_conversational_dataset_with_trls_batched_reward_runs_unchanged(chat_model, tmp_path):
+    data = write_jsonl(tmp_path / "trl.jsonl", trl_rows(60))
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARD)
+    d = tmp_path / "run"
+    p = run([sys.executable, "-m", "minirl.grpo", *GRPO_2, "--model.path", str(chat_model), "--task.path", str(data),
+             "--task.reward", f"{tmp_path}/trl_rewards.py:correct", "--task.reward", f"{tmp_path}/trl_rewards.py:short",
+             "--task.reward-weights", "1", "0.1", "--log.run-dir", str(d)])
+    assert p.returncode == 0
+    recs = records(d)
+    assert [r["step"] for r in recs] == [0, 1]
+    assert max(r["reward/correct"] for r in recs) > 0  # the conversational completions were read
+    assert all(0 <= r["reward/short"] <= 1 for r in recs)  # its None is left out of its mean, not NaN
+    samples = [json.loads(line) for line in open(d / "samples.jsonl")]
+    assert samples[0]["prompt"].endswith("#a=")  # the chat template rendered the messages
+    last = [s for s in samples if s["eval_version"] == recs[-1]["eval_version"]]
+    assert recs[-1]["eval_accuracy"] == pytest.approx(  # the first function's mean
+        sum(s["completion"] == s["answer"] and not s["clipped"] for s in last) / len(last))
+
+
+def test_a_verl_row_file_parquet_and_jsonl_with_verls_compute_score_runs_unchanged(chat_model, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    train = tmp_path / "train.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(verl_rows(60, "train")), train)
+    test = write_jsonl(tmp_path / "test.jsonl", verl_rows(8, "test"))
+    (tmp_path / "verl_score.py").write_text(VERL_REWARD)
+    d = tmp_path / "run"
+    p = run([sys.executable, "-m", "minirl.grpo", *GRPO_2, "--model.path", str(chat_model), "--task.path", str(train),
+             "--task.eval-path", str(test), "--task.reward", "verl_score:compute_score", "--log.run-dir", str(d)],
+            env={"PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 0
+    recs = records(d)
+    assert [r["step"] for r in recs] == [0, 1] and max(r["reward_mean"] for r in recs) > 0
+    assert all(r["reward_mean"] == r["reward/compute_score"] for r in recs)
+
+
+def test_parquet_and_jsonl_rows_load_alike_and_keep_every_column(chat_model, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    rows = verl_rows(10, "train")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    tok = load_tokenizer(str(chat_model))
+    a, b = (make_task(TaskConfig(name="jsonl", path=str(tmp_path / f), eval_prompts=0), 0, tok, 32)
+            for f in ("rows.parquet", "rows.jsonl"))
+    assert [(p.prompt, p.answer, p.row) for p in a.rows] == [(p.prompt, p.answer, p.row) for p in b.rows]
+    assert a.rows[0].prompt.endswith("#a=") and a.rows[0].row["extra_info"]["split"] == "train"
+
+
+@pytest.mark.parametrize("row, key, answer", [
+    ({"prompt": "q", "solution": "7"}, "", "7"),
+    ({"prompt": "q", "answer": 7}, "", "7"),
+    ({"prompt": "q", "answer": 2.5}, "", "2.5"),
+    ({"prompt": "q", "reward_model": {"ground_truth": "#### 1,000"}}, "", "1000"),
+    ({"prompt": "q", "meta": {"gold": 3}}, "meta.gold", "3"),
+])
+def test_the_answer_is_found_under_its_usual_names_or_the_named_key(tmp_path, row, key, answer):
+    f = write_jsonl(tmp_path / "rows.jsonl", [row] * 5)
+    task = make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0, answer_key=key), 0)
+    assert task.rows[0].answer == answer
+
+
+def test_chat_messages_without_a_chat_template_are_refused_in_one_line(tiny_path, tmp_path):
+    f = write_jsonl(tmp_path / "trl.jsonl", trl_rows(5))
+    with pytest.raises(ConfigError, match=r"trl\.jsonl:1: the prompt is chat messages, but the tokenizer of "
+                                          r"--model\.path has no chat template"):
+        make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0, load_tokenizer(tiny_path), 32)
+
+
+def test_a_parquet_file_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    f = tmp_path / "rows.parquet"
+    f.write_bytes(b"PAR1" + b"\0" * 20)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as where it is not installed
+    with pytest.raises(ConfigError, match=r"is a Parquet file, which needs pyarrow: pip install -e '\.\[parquet\]'"):
+        make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0)
+
+
+def test_a_mis_signatured_reward_exits_2_before_the_engine_and_one_failing_later_exits_1_naming_it(tmp_path):
+    (tmp_path / "bad_rw.py").write_text("def one_arg(completion):\n    return 1.0\n"
+                                        "def later(completion, answer):\n    if completion:\n        raise KeyError('k')\n"
+                                        "    return 0.0\n")
+    base = [sys.executable, "-m", "minirl.grpo", "--steps", "1", "--rl.batch-per-replica", "8", "--rl.group-size", "4"]
+    p = run([*base, "--task.reward", f"{tmp_path}/bad_rw.py:one_arg", "--log.run-dir", str(tmp_path / "a")])
+    assert p.returncode == 2 and "building the vLLM engine" not in p.stdout
+    assert p.stderr.strip().splitlines() == [
+        f"minirl.grpo: error: --task.reward {tmp_path}/bad_rw.py:one_arg failed on an empty completion and the first "
+        "training row: TypeError: one_arg() takes 1 positional argument but 2 were given; it is called as "
+        "f(completion: str, answer: str) -> float"]
+    p = run([*base, "--task.reward", f"{tmp_path}/bad_rw.py:later", "--log.run-dir", str(tmp_path / "b")])
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith(f"minirl.grpo: error: --task.reward {tmp_path}/bad_rw.py:later "
+                                                 "failed on the completion ") and "KeyError: 'k'" in last
