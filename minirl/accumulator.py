@@ -112,13 +112,14 @@ class Accumulator:
 
 def lr_schedule(peak: float, warmup: int, total: int, kind: str = "constant", min_ratio: float = 0.0):
     """The learning rate of optimizer step k (0-based): linear warmup to `peak` over `warmup` steps,
-    then constant, or a cosine from `peak` down to `min_ratio * peak` at step `total - 1`."""
+    then constant, or a cosine from `peak` down to `min_ratio * peak` at step `total`, one past the
+    run's last (as Hugging Face's cosine schedule): at --rl.min-lr-ratio 0 the last update still moves."""
     def lr(k: int) -> float:
         if k < warmup:
             return peak * (k + 1) / warmup
         if kind == "constant":
             return peak
-        progress = min(1.0, (k - warmup) / max(1, total - 1 - warmup))
+        progress = min(1.0, (k - warmup) / max(1, total - warmup))
         return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
     return lr
 

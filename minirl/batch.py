@@ -270,8 +270,8 @@ class Layout:
     def unpack(self, y: torch.Tensor) -> torch.Tensor:
         """(lanes, capacity) per-token outputs read off the token BEFORE (logprobs, values) -> (B, T).
         A row's first column and its pad are 0, as the padded path's column 0 and masked pad."""
-        B, T = self.shape
-        return y.new_zeros(B * T).index_put((self.dst,), y.reshape(-1)[self.src]).view(B, T)
+        B, T = self.shape  # a fresh (B, T) tensor, not a view: FSDP2 warns of a module that returns one
+        return y.new_zeros(B, T).index_put((self.dst // T, self.dst % T), y.reshape(-1)[self.src])
 
 
 def lanes_of(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -132,6 +132,9 @@ class LogConfig:
     the last (0 = never)."""
     samples: int = 2
     """Held-out completions printed at each eval; every one goes to <run dir>/samples.jsonl."""
+    train_samples: int = 0
+    """Training rollouts of each step written to samples.jsonl (and to W&B as a table): prompt, completion,
+    reward, each reward function's value, clipped (this rank's first; 0 = none)."""
     target_eval_accuracy: float = 0.0
     """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
     tensorboard: bool = False

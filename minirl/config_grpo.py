@@ -44,7 +44,12 @@ class RLConfig(OptimConfig):
 
 @dataclass
 class GRPOArgs(Launch):
-    """GRPO on a prompt set: sample G completions per prompt, score, update, publish."""
+    """GRPO: sample G completions per prompt with vLLM, score, group advantages, mini/micro-batched update, publish.
+
+    One process, CPU, the built-in task: python -m minirl.grpo --steps 20
+
+    Two ranks, FSDP2 over gloo or NCCL: torchrun --nproc-per-node 2 -m minirl.grpo --steps 20
+    """
 
     LOOP = "grpo"  # the loop these flags start (checkpoints record it)
     REFUSED = {  # flags GRPO does not have, and what to use instead (launch.parse)

@@ -64,7 +64,10 @@ class AsyncRLConfig:
 
 @dataclass
 class PPOArgs(Launch):
-    """PPO with a critic; the train ranks start on completed groups while the rest still generate."""
+    """PPO with a critic, streamed: the trainer starts on completed groups while the rest still generate.
+
+    One rollout rank and one train rank: torchrun --nproc-per-node 2 -m minirl.ppo --steps 20
+    """
 
     LOOP = "ppo"  # the loop these flags start (checkpoints record it)
     steps: int = 20

@@ -27,7 +27,7 @@ from minirl.accumulator import Accumulator, across_ranks, lr_schedule, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.config_grpo import GRPOArgs
 from minirl.gae import group_advantages
-from minirl.logger import sample_metrics
+from minirl.logger import sample_metrics, training_rows
 from minirl.models import token_logprobs as score
 from minirl.objective import logprob_gap, policy_loss
 from minirl.offload import HandOff, Together, TrainerOffload
@@ -38,7 +38,7 @@ from minirl.tasks import dp_partition, held_out, prompt_id, scored
 
 def main(argv: list[str] | None = None) -> dict:
     """Every check first, on the command layer (launch.preflight); then the loop."""
-    ready = launch.preflight(GRPOArgs, argv, __doc__, sys.modules[__name__])
+    ready = launch.preflight(GRPOArgs, argv, sys.modules[__name__])
     return train(ready) if ready else {}
 
 
@@ -120,7 +120,9 @@ def train(ready: launch.Ready) -> dict:
             record = {**sample_metrics(rewards, G, samples.lengths, samples.clipped, named),
                       "entropy": rolled.pop("grpo_entropy", None), "logprob_gap": rolled.pop("grpo_logprob_gap", None),
                       **rolled, **roll_up(steps_out), "lr": optimizer.param_groups[0]["lr"],
-                      "optimizer_steps": acc.steps, "weight_syncs": engine.loads - loads}
+                      "optimizer_steps": acc.steps, "weight_syncs": engine.loads - loads,
+                      "train_samples": training_rows(tok, samples.prompt_tokens, samples.completion_tokens, rewards,
+                                                     named, samples.clipped, args.log.train_samples)}
             if run.evaluates(step):
                 with run.phase("eval"):
                     record.update(evaluate(step + 1))  # the policy after this step's update

@@ -7,7 +7,7 @@
   refuse, is an error naming it. A file never sets the run's own switches (`--log.run-dir`,
   `--log.overwrite`, `--checkpoint.resume`, `--checkpoint.dir`): rerunning another run's config.json
   must not write into, resume or wipe that run. YAML aliases and files over 1 MiB are refused.
-- `preflight(cls, argv, description, loop)`: what a loop starts from, every check done first, before
+- `preflight(cls, argv, loop)`: what a loop starts from, every check done first, before
   any model, engine or process group is built: the flags and `--config`, the `--dry-run` branch (the
   only way into the tools, minirl/tools/, and lazily), validation for the launch's world, the model
   folder and what the engine can run, the task (its prompts checked, its reward functions imported),
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import inspect
 import json
 import logging
 import os
@@ -81,11 +82,41 @@ def _read(path: str) -> dict:
     return data
 
 
-def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = ""):
+# TRL's and verl's names for a setting (the last part of a dotted name, `_` for `-`) -> minirl's flag;
+# "{opt}" is the loop's optimizer group. The whole table, with each library's full names: docs/flags.md.
+ELSEWHERE = {
+    "learning_rate": "--{opt}.lr", "beta": "--{opt}.kl-coef", "kl_loss_coef": "--{opt}.kl-coef",
+    "kl_loss_type": "--{opt}.kl-estimator", "kl_penalty": "--{opt}.kl-estimator", "epsilon": "--{opt}.clip-eps",
+    "clip_ratio": "--{opt}.clip-eps", "epsilon_high": "--{opt}.clip-eps-high", "clip_ratio_high": "--{opt}.clip-eps-high",
+    "clip_ratio_c": "--{opt}.dual-clip", "entropy_coeff": "--{opt}.entropy-coef", "loss_type": "--{opt}.loss-agg-mode",
+    "loss_agg_mode": "--{opt}.loss-agg-mode", "warmup_steps": "--{opt}.lr-warmup-steps",
+    "lr_scheduler_type": "--{opt}.lr-schedule", "max_grad_norm": "--{opt}.max-grad-norm", "grad_clip": "--{opt}.max-grad-norm",
+    "num_generations": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
+    "n": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
+    "num_iterations": {"grpo": "--rl.mu-iterations", "ppo": "--ppo.ppo-epochs"},
+    "max_steps": "--steps", "total_training_steps": "--steps", "max_completion_length": "--rollout.max-tokens",
+    "max_response_length": "--rollout.max-tokens", "max_prompt_length": "--rollout.max-prompt-tokens",
+    "output_dir": "--log.run-dir", "save_steps": "--checkpoint.every", "save_freq": "--checkpoint.every",
+    "save_total_limit": "--checkpoint.keep", "eval_steps": "--log.eval-every", "test_freq": "--log.eval-every",
+    "reward_funcs": "--task.reward", "model_name_or_path": "--model.path", "train_files": "--task.path",
+    "val_files": "--task.eval-path"}
+
+
+def elsewhere(name: str, loop: str) -> str:
+    """A hint for a flag or config key minirl does not have but TRL or verl does ('' if none)."""
+    hint = ELSEWHERE.get(name.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_"))
+    if isinstance(hint, dict):
+        hint = hint.get(loop, "")
+    return f"; did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')} (TRL's and verl's names: " \
+           "docs/flags.md)?" if hint else ""
+
+
+def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", loop: str = ""):
     """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
     against its field's type as the flag's parser would (`_typed`). A key is the flag's name with `-`
     or `_` (one spelling per flag). `lenient`: skip what this command does not have (another command's
-    run config), instead of refusing it. `skip`: flags never taken from a file (`log.run_dir`, ...)."""
+    run config), instead of refusing it. `skip`: flags never taken from a file (`log.run_dir`, ...).
+    `loop`: the command's loop, for the hint that names minirl's flag for a TRL or verl key."""
     fields = {f.name: f for f in dataclasses.fields(instance)}
     types = typing.get_type_hints(type(instance))
     seen: dict[str, str] = {}
@@ -100,11 +131,13 @@ def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset
         if name not in fields or (lenient and isinstance(value, dict) != dataclasses.is_dataclass(current)):
             if lenient:
                 continue
-            raise ConfigError(f"--config: {where}{key} is not a flag of this command (see --help)")
+            nest = f"; keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}" if "." in key else ""
+            raise ConfigError(f"--config: {where}{key} is not a flag of this command (see --help){nest}"
+                              f"{elsewhere(key, loop)}")
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
-            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.")
+            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", loop)
         else:
             setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
     return instance
@@ -145,6 +178,16 @@ def _typed(value, tp, where: str):
     return value
 
 
+def _flags(cls, prefix: str = "") -> set[str]:
+    """Every flag name of the dataclass `cls` (dashed, dotted for nested ones; `no-` forms left out)."""
+    names = set()
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name.replace("_", "-")
+        tp = typing.get_type_hints(cls)[f.name]
+        names |= _flags(tp, name + ".") if dataclasses.is_dataclass(tp) else {name}
+    return names
+
+
 def _kind(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
@@ -156,12 +199,17 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     for flag, why in getattr(cls, "REFUSED", {}).items():  # flags the command has retired or never had
         if any(a.startswith(flag) for a in argv):
             raise ConfigError(why)
+    known = _flags(cls)
+    for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
+        name = a[2:].split("=")[0].replace("_", "-")
+        if a.startswith("--") and name not in known and elsewhere(a, getattr(cls, "LOOP", "")):
+            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{elsewhere(a, cls.LOOP)}")
     default = cls()
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
-            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN})
+            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN}, loop=getattr(cls, "LOOP", ""))
             default.config = path
             break
     return tyro.cli(cls, args=argv, default=default, description=description)
@@ -186,10 +234,11 @@ class Ready:
         return self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
 
 
-def preflight(cls, argv: list[str] | None, description: str, loop) -> Ready | None:
+def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     """Parse and check everything a run of `loop` (the loop's module) needs, in the order a bad input is
-    cheapest to find; None after a dry run (nothing was loaded or built, the plan was printed)."""
-    args = parse(cls, argv, description)
+    cheapest to find; None after a dry run (nothing was loaded or built, the plan was printed). `--help`
+    describes the command by its flags' class docstring, written for users."""
+    args = parse(cls, argv, inspect.cleandoc(cls.__doc__))
     if args.dry_run:  # the tools' one door: the plan (and the rehearsal), or the rehearsal's child run
         if os.environ.get("MINIRL_REHEARSAL_CHILD") == "1":
             from minirl.tools import rehearse

@@ -13,6 +13,7 @@ starts, so a kill at any moment leaves either the old history or the kept one, n
 Keys: `step`, `reward_mean` and `reward/<function>`, the objective's rolled-up metrics, and
 `time/<phase>`. samples.jsonl: one line per held-out prompt per eval, `step`, `eval_version`,
 `prompt`, `completion`, `answer`, `reward`, `clipped`; the console shows the first --log.samples.
+With --log.train-samples N, each step's first N training rollouts too (`split: "train"`, `training_rows`).
 metrics.jsonl is always written; TensorBoard (`--log.tensorboard`) and Weights & Biases
 (`--log.wandb-project`) get the same numbers when asked for, and need their optional extras.
 """
@@ -115,7 +116,7 @@ class RunLog:
     def write(self, record: dict) -> None:
         """Append one record (plus this step's phase times) and print the console line. An eval's
         `eval_samples` go to samples.jsonl, and the first --log.samples of them to the console."""
-        shown = record.pop("eval_samples", [])
+        shown, trained = record.pop("eval_samples", []), record.pop("train_samples", [])
         record = {k: v for k, v in {**record, **{k: round(v, 4) for k, v in self.times.items()}}.items()
                   if v is not None}
         self.times = {}
@@ -138,6 +139,14 @@ class RunLog:
                 recent = (self.step_times[1:] or self.step_times)[-20:]  # the first step's warm-up is no rate
                 eta = sum(recent) / len(recent) * max(self.total - record["step"] - 1, 0)
             print(console_line(record, self.total, eta, first=record.get("step") == self.start_step), flush=True)
+        if trained:  # --log.train-samples: beside the evals', and a W&B table
+            self._samples.writelines(json.dumps({"step": record["step"], "split": "train", **r}) + "\n" for r in trained)
+            self._samples.flush()
+            if self._wandb is not None:
+                import wandb
+                self._wandb.log({"train_samples": wandb.Table(columns=list(trained[0]),
+                                                              data=[list(map(str, r.values())) for r in trained])},
+                                step=record["step"])
         if shown:
             self._write_samples(record, shown)
 
@@ -221,6 +230,17 @@ def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], c
             "completion_len_min": -far[1], "completion_len_max": far[0], "completion_clip_ratio": cut / n}
 
 
+def training_rows(tok, prompts: list, completions: list, rewards, parts: dict, clipped, n: int) -> list[dict]:
+    """The first `n` of a step's training rollouts for samples.jsonl (--log.train-samples): prompt and
+    completion decoded, the reward, each function's value (`parts`: name -> values), clipped."""
+    n = min(n, len(completions))
+    if not n:
+        return []
+    text = tok.batch_decode([list(map(int, c)) for c in prompts[:n] + completions[:n]], skip_special_tokens=True)
+    return [{"prompt": text[i], "completion": text[n + i], "reward": float(rewards[i]),
+             "rewards": {k: float(v[i]) for k, v in parts.items()}, "clipped": bool(clipped[i])} for i in range(n)]
+
+
 def memory_peak_gib(device: torch.device, over_ranks: bool = True) -> float:
     """The largest memory held since the last call: the card's allocated peak (reset here), or on CPU
     the process's resident high-water mark (never reset). `over_ranks`: the max over the default
@@ -250,8 +270,10 @@ SHOWN = [("reward_mean", "reward"), ("eval_accuracy", "eval_acc"), ("grpo_loss",
 
 
 def console_line(r: dict, total: int = 0, eta: float | None = None, first: bool = False) -> str:
-    """One step's line; `first`: the run's first step, whose time includes the engine's first-call warm-up."""
-    step = r.get("step", "?")
+    """One step's line; `first`: the run's first step, whose time includes the engine's first-call warm-up.
+    A step's line counts the steps done with it (`step 20/20` after the last, as its checkpoint is named);
+    an eval-only record (before training, or the last version's eval) is at the steps done before it."""
+    step = r.get("step", "?") + ("reward_mean" in r)
     parts = [f"step {step:>4}/{total}" if total else f"step {step:>4}"]
     for key, label in SHOWN:
         if key in r:

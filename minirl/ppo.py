@@ -23,7 +23,7 @@ from minirl import dist, launch, models, refit
 from minirl.accumulator import Accumulator, across_ranks, lr_schedule
 from minirl.batch import group_rows
 from minirl.config_ppo import PPOArgs
-from minirl.logger import engine_log, sample_metrics
+from minirl.logger import engine_log, sample_metrics, training_rows
 from minirl.offload import TrainerOffload
 from minirl.placement import EngineGroups, StoreGroups, rollout_rank
 from minirl.rollout import Engine
@@ -34,7 +34,7 @@ from minirl.stream import PumpConfig, TrainPump
 
 def main(argv: list[str] | None = None) -> None:
     """Every check first, on the command layer (launch.preflight); then each rank to its side."""
-    ready = launch.preflight(PPOArgs, argv, __doc__, sys.modules[__name__])
+    ready = launch.preflight(PPOArgs, argv, sys.modules[__name__])
     if ready is None:
         return
     args = ready.args
@@ -119,7 +119,7 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
             source.release(step)  # only after both updates (S11)
             # ---- report ----
             rolled = across_ranks(out)
-            record = {**group_metrics(groups, G, ready.task.scorer.names, P * G),
+            record = {**group_metrics(groups, G, ready.task.scorer.names, P * G, ready.tok, args.log.train_samples),
                       "entropy": rolled.pop("ppo_entropy", None), "logprob_gap": rolled.pop("ppo_logprob_gap", None),
                       **rolled, "lr": policy_opt.param_groups[0]["lr"], "value_lr": value_opt.param_groups[0]["lr"],
                       "rollout_memory_peak_gib": source.rollout_memory_gib() or None, "critic_warmup": warmup,
@@ -132,14 +132,18 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
     return run.record
 
 
-def group_metrics(groups: list[dict], G: int, names: list[str], rows: int) -> dict:
+def group_metrics(groups: list[dict], G: int, names: list[str], rows: int, tok, train_samples: int) -> dict:
     """The step's samples over every train rank (collectives): rewards, each reward function's mean,
-    completion and prompt lengths, the clipped share (logger.sample_metrics)."""
+    completion and prompt lengths, the clipped share (logger.sample_metrics); this rank's first
+    `train_samples` rollouts (logger.training_rows)."""
     cat = lambda key, dim=0: torch.cat([g[key] for g in groups], dim=dim)  # noqa: E731
-    out = sample_metrics(cat("rewards"), G, cat("lengths").tolist(), cat("clipped").tolist(),
-                         dict(zip(names, cat("reward_parts", dim=1))))
+    parts = dict(zip(names, cat("reward_parts", dim=1)))
+    out = sample_metrics(cat("rewards"), G, cat("lengths").tolist(), cat("clipped").tolist(), parts)
     prompt_tokens = float(sum(g["prompt"].numel() * g["lengths"].numel() for g in groups))
-    return {**out, "prompt_len_mean": dist.all_reduce(torch.tensor([prompt_tokens], dtype=torch.float64)).item() / rows}
+    comps = [c[:n].tolist() for g in groups for c, n in zip(g["completions"], g["lengths"].tolist())]
+    return {**out, "prompt_len_mean": dist.all_reduce(torch.tensor([prompt_tokens], dtype=torch.float64)).item() / rows,
+            "train_samples": training_rows(tok, [g["prompt"].tolist() for g in groups for _ in range(G)], comps,
+                                           cat("rewards"), parts, cat("clipped"), train_samples)}
 
 
 def offloaders(policy, policy_opt, value, value_opt, ref):

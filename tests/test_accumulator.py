@@ -189,9 +189,11 @@ def test_lr_schedule_warms_up_then_holds_or_follows_a_cosine():
     from minirl.accumulator import lr_schedule
     const = lr_schedule(1.0, warmup=4, total=20)
     assert [const(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    cos = lr_schedule(1.0, warmup=1, total=12, kind="cosine", min_ratio=0.1)
-    assert cos(0) == 1.0 and abs(cos(1) - 1.0) < 1e-12 and abs(cos(11) - 0.1) < 1e-12 and cos(20) == cos(11)
-    assert abs(cos(6) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12  # half way: 0.55
+    cos = lr_schedule(1.0, warmup=1, total=13, kind="cosine", min_ratio=0.1)
+    assert cos(0) == 1.0 and abs(cos(1) - 1.0) < 1e-12 and abs(cos(13) - 0.1) < 1e-12 and cos(20) == cos(13)
+    assert abs(cos(7) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12  # half way: 0.55
+    to_zero = lr_schedule(1.0, warmup=0, total=10, kind="cosine")  # HF's: the floor comes after the last step
+    assert to_zero(9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.9))) and to_zero(9) > 0.02
     model = toy_lm()
     opt = torch.optim.SGD(model.parameters(), lr=123.0)
     acc = Accumulator(model, opt, 1, schedule=const)

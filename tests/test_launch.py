@@ -1,6 +1,7 @@
 """launch.py and the commands: `--config` files (flags beside them win, a run's config.json reruns
 it), the console scripts' exit codes, and `minirl-eval` / `minirl-export` on a finished run."""
 
+import inspect
 import json
 import os
 import re
@@ -216,3 +217,41 @@ def test_export_never_deletes_what_it_did_not_write(finished, tmp_path):
     assert run([script("minirl-export"), ckpt, str(out)], timeout=120).returncode == 2  # an export, but not told
     assert run([script("minirl-export"), ckpt, str(out), "--overwrite"], timeout=120).returncode == 0
     assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("loop", ["grpo", "ppo"])
+def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
+    """--help opens with the command's one-line description and names no rule of docs/invariants.md."""
+    import re
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    cls = {"grpo": GRPOArgs, "ppo": PPOArgs}[loop]
+    with pytest.raises(SystemExit):
+        launch.parse(cls, ["--help"], inspect.cleandoc(cls.__doc__))
+    out = capsys.readouterr().out
+    assert cls.__doc__.splitlines()[0] in out
+    assert not re.findall(r"\b[BSX]\d{1,2}\b|B_r\b", out), re.findall(r".{30}\b[BSX]\d{1,2}\b.{10}", out)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--learning_rate", "1e-5"], "--learning_rate is not a flag of this command; did you mean --rl.lr"),
+    (["--num-generations=4"], "--num-generations is not a flag of this command; did you mean --rl.group-size"),
+    (["--rl.beta", "0.1"], "did you mean --rl.kl-coef"),
+])
+def test_trl_and_verl_names_get_minirls_flag(argv, says):
+    from minirl.config_grpo import GRPOArgs
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        launch.parse(GRPOArgs, argv, "")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("rl.lr: 1e-4\n", "rl.lr is not a flag of this command (see --help); keys nest: write rl: {lr: ...}"),
+    ("rl:\n  learning_rate: 1e-4\n", "rl.learning_rate is not a flag of this command (see --help); did you mean "
+                                     "--rl.lr"),
+])
+def test_a_config_file_with_a_dotted_or_trl_key_says_what_to_write(tmp_path, text, says):
+    from minirl.config_grpo import GRPOArgs
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        launch.parse(GRPOArgs, ["--config", str(f)], "")

@@ -74,7 +74,14 @@ def test_a_missing_optional_sink_names_its_flag_and_extra(tmp_path, monkeypatch,
 def test_console_line_shows_the_key_numbers():
     line = console_line({"step": 7, "reward_mean": 0.5, "ppo_loss": -0.01, "value_loss": 0.2, "ppo_clipfrac": 0.03,
                          "time/step": 1.25, "tokens_per_s": 900.0})
-    assert line == "step    7 | reward 0.5 | loss -0.01 | vloss 0.2 | clip 0.03 | s 1.25 | tok/s 900"
+    assert line == "step    8 | reward 0.5 | loss -0.01 | vloss 0.2 | clip 0.03 | s 1.25 | tok/s 900"
+
+
+def test_the_console_counts_steps_done_as_the_checkpoints_do():
+    """The baseline eval is at 0 steps done, the first step's line at 1, the last at total (step_<total>/)."""
+    assert console_line({"step": 0, "eval_accuracy": 0.25}, 20).startswith("step    0/20 | ")
+    assert console_line({"step": 0, "reward_mean": 0.5}, 20).startswith("step    1/20 | ")
+    assert console_line({"step": 19, "reward_mean": 0.5}, 20).startswith("step   20/20 | ")
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):

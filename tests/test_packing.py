@@ -182,3 +182,18 @@ def test_packed_ppo_step_equals_the_padded_step(tiny_path, world):
     assert max((a - b).abs().max().item() for a, b in zip(out[0], start)) > 1e-3  # both models moved
     assert all(a.dtype == torch.float64 for a in out[1])
     close(*out, tol=1e-9)
+
+
+def test_the_packed_value_model_under_fsdp2_returns_no_view(tiny_path, world):
+    """FSDP2 hooks a module's outputs for backward and warns when one is a view (an in-place op on it would
+    drop the hook): the packed critic's values come back as a fresh tensor, and its gradients flow."""
+    import warnings
+    from minirl import models
+    value = models.sharded(tiny_path, "value", world, "float32", True)
+    ids = torch.randint(3, 40, (3, 9), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        v = value(ids, [9, 4, 3])
+    assert v._base is None and not [w for w in seen if "returned a view tensor" in str(w.message)]
+    v.sum().backward()
+    assert value.score.weight.grad is not None

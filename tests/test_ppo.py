@@ -225,7 +225,7 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
              "--steps", "3", "--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4",
              "--async-rl.min-groups-for-streaming-train", "2", "--async-rl.rollout-groups-per-call", "2",
              "--async-rl.sampler.max-lookahead-versions", "0", "--ppo.critic-ppo-epochs", "2",
-             "--log.eval-every", "2", "--log.run-dir", str(tmp_path)])
+             "--log.eval-every", "2", "--log.train-samples", "2", "--log.run-dir", str(tmp_path)])
     assert p.returncode == 0
     chunk_lines = [line for line in p.stdout.splitlines() if line.startswith("train_pump: step 0 chunk")]
     assert len(chunk_lines) > 1  # lookahead 0: step 0's groups arrive in waves, and training starts on the first
@@ -244,6 +244,10 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     evals = [r for r in recs if "eval_accuracy" in r]  # scored on the rollout rank, sent through the store
     assert [r["eval_version"] for r in evals] == [0, 2, 3]
     rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    trained = [r for r in rows if r.get("split") == "train"]  # --log.train-samples 2, from the trainer's groups
+    assert [r["step"] for r in trained] == [0, 0, 1, 1, 2, 2]
+    assert all(r["prompt"].endswith("#a=") and r["reward"] == r["rewards"]["count"] for r in trained)
+    rows = [r for r in rows if "split" not in r]
     assert [r["eval_version"] for r in rows[::128]] == [0, 2, 3] and len(rows) == 3 * 128
     assert evals[-1]["eval_accuracy"] == pytest.approx(sum(r["reward"] for r in rows[-128:]) / 128)
     assert sum(line.startswith("  sample (version") for line in p.stdout.splitlines()) == 2 * 3

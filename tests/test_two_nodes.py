@@ -94,7 +94,7 @@ def test_a_node_that_loses_the_other_leaves_naming_the_peer(hosts, tmp_path, los
     killed = {}
 
     def kill_when_training(procs):
-        if "step    1/" not in (tmp_path / "node1.out").read_text(errors="replace"):
+        if "step    2/" not in (tmp_path / "node1.out").read_text(errors="replace"):
             return False
         kill_tree(procs[lost].pid)
         killed["at"] = time.time()

@@ -80,13 +80,21 @@ def test_a_trl_conversational_dataset_with_trls_batched_reward_runs_unchanged(ch
     d = tmp_path / "run"
     p = run([sys.executable, "-m", "minirl.grpo", *GRPO_2, "--model.path", str(chat_model), "--task.path", str(data),
              "--task.reward", f"{tmp_path}/trl_rewards.py:correct", "--task.reward", f"{tmp_path}/trl_rewards.py:short",
-             "--task.reward-weights", "1", "0.1", "--log.run-dir", str(d)])
+             "--task.reward-weights", "1", "0.1", "--log.train-samples", "3", "--log.run-dir", str(d)])
     assert p.returncode == 0
     recs = records(d)
     assert [r["step"] for r in recs] == [0, 1]
     assert max(r["reward/correct"] for r in recs) > 0  # the conversational completions were read
     assert all(0 <= r["reward/short"] <= 1 for r in recs)  # its None is left out of its mean, not NaN
     samples = [json.loads(line) for line in open(d / "samples.jsonl")]
+    trained = [s for s in samples if s.get("split") == "train"]  # --log.train-samples 3
+    assert [s["step"] for s in trained] == [0, 0, 0, 1, 1, 1]
+    for s in trained:
+        assert set(s) == {"step", "split", "prompt", "completion", "reward", "rewards", "clipped"}
+        assert s["prompt"].endswith("#a=") and set(s["rewards"]) == {"correct", "short"}
+        short = 0.0 if s["rewards"]["short"] != s["rewards"]["short"] else s["rewards"]["short"]
+        assert s["reward"] == pytest.approx(s["rewards"]["correct"] + 0.1 * short)
+    samples = [s for s in samples if "split" not in s]
     assert samples[0]["prompt"].endswith("#a=")  # the chat template rendered the messages
     last = [s for s in samples if s["eval_version"] == recs[-1]["eval_version"]]
     assert recs[-1]["eval_accuracy"] == pytest.approx(  # the first function's mean

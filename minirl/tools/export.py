@@ -2,7 +2,7 @@
 a Hugging Face folder, the same as a run's `final/`.
 
 The model it belongs to comes from the run's config.json beside the checkpoints folder
-(`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`), or from `--model-path`. The weights are
+(`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`), or from `--model.path`. The weights are
 read with the same checks as a resume (checkpoint.load_model: nothing is unpickled blindly, the
 shapes must match), on one process, on CPU. OUT must be new or empty (`--overwrite` replaces an
 earlier export there and nothing else): export never deletes what it did not write (`check_out`).
@@ -27,7 +27,7 @@ def run_model_config(ckpt: str) -> ModelConfig:
     from minirl.launch import fill
     run_config = run_config_path(ckpt)
     if not os.path.isfile(run_config):
-        raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model-path")
+        raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model.path")
     with open(run_config) as f:
         return fill(ModelConfig(), json.load(f).get("model", {}), "model.")
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minirl-export", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("checkpoint", help="a checkpoint folder: <run dir>/checkpoints/step_N")
     ap.add_argument("out", help="the Hugging Face folder to write")
-    ap.add_argument("--model-path", default="", help="the model the checkpoint was trained from (default: the run's)")
+    ap.add_argument("--model.path", "--model-path", dest="model_path", default="",
+                    help="the model the checkpoint was trained from (default: the run's)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT (nothing else is "
                     "ever deleted)")
     a = ap.parse_args(argv)
