@@ -43,13 +43,8 @@ class RLConfig(OptimConfig):
 
 
 @dataclass
-class GRPOArgs(Launch):
-    """GRPO: sample G completions per prompt with vLLM, score, group advantages, mini/micro-batched update, publish.
-
-    One process, CPU, the built-in task: python -m minirl.grpo --steps 20
-
-    Two ranks, FSDP2 over gloo or NCCL: torchrun --nproc-per-node 2 -m minirl.grpo --steps 20
-    """
+class GRPOFlags:
+    """GRPO's own flags and checks (GRPOArgs lists them before the launch's in --help)."""
 
     LOOP = "grpo"  # the loop these flags start (checkpoints record it)
     REFUSED = {  # flags GRPO does not have, and what to use instead (launch.parse)
@@ -140,3 +135,13 @@ class GRPOArgs(Launch):
         _at_least("--rl.weight-decay", rl.weight_decay, 0)
         _check_run(self)
         return self
+
+
+@dataclass
+class GRPOArgs(Launch, GRPOFlags):  # a dataclass lists its bases' fields last base first: the run's own on top
+    """GRPO: sample G completions per prompt with vLLM, score, group advantages, mini/micro-batched update, publish.
+
+    One process, CPU, the built-in task: python -m minirl.grpo --steps 20
+
+    Two ranks, FSDP2 over gloo or NCCL: torchrun --nproc-per-node 2 -m minirl.grpo --steps 20
+    """

@@ -63,11 +63,8 @@ class AsyncRLConfig:
 
 
 @dataclass
-class PPOArgs(Launch):
-    """PPO with a critic, streamed: the trainer starts on completed groups while the rest still generate.
-
-    One rollout rank and one train rank: torchrun --nproc-per-node 2 -m minirl.ppo --steps 20
-    """
+class PPOFlags:
+    """PPO's own flags and checks (PPOArgs lists them before the launch's in --help)."""
 
     LOOP = "ppo"  # the loop these flags start (checkpoints record it)
     steps: int = 20
@@ -128,3 +125,11 @@ class PPOArgs(Launch):
                 raise ConfigError(f"{flag}={v} must be in [0, 1]")
         _check_run(self)
         return self
+
+
+@dataclass
+class PPOArgs(Launch, PPOFlags):  # a dataclass lists its bases' fields last base first: the run's own on top
+    """PPO with a critic, streamed: the trainer starts on completed groups while the rest still generate.
+
+    One rollout rank and one train rank: torchrun --nproc-per-node 2 -m minirl.ppo --steps 20
+    """

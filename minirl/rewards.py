@@ -40,6 +40,7 @@ import importlib.util
 import inspect
 import math
 import os
+import pkgutil
 import re
 import sys
 from typing import Callable
@@ -109,9 +110,9 @@ class RewardError(RuntimeError):
 
 
 def load(spec: str) -> Callable:
-    """The callable `spec` names: `module:function`, `pkg.module.function` or `path/to/file.py:function`,
-    imported when the flags are checked (the working directory is on the path, as for `python -m`);
-    a ConfigError says what is wrong."""
+    """The callable `spec` names: `module:function`, `pkg.module.function` (`pkgutil.resolve_name`) or
+    `path/to/file.py:function`, imported when the flags are checked (the working directory is on the
+    path, as for `python -m`); a ConfigError says what is wrong."""
     module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not module or not name:
         raise ConfigError(f"--task.reward={spec!r}: give module:function, e.g. minirl.rewards:gsm8k (or "
@@ -120,21 +121,19 @@ def load(spec: str) -> Callable:
         sys.path.insert(0, os.getcwd())
     try:
         if module.endswith(".py"):
-            if not os.path.isfile(module):
-                raise ConfigError(f"--task.reward={spec!r}: no file {module}")
             found = importlib.util.spec_from_file_location(f"minirl_reward_{abs(hash(os.path.abspath(module)))}",
                                                            module)
             mod = importlib.util.module_from_spec(found)
             found.loader.exec_module(mod)
+            fn = getattr(mod, name)
         else:
-            mod = importlib.import_module(module)
-    except ImportError as e:
+            fn = pkgutil.resolve_name(spec)
+    except (ImportError, FileNotFoundError) as e:
         raise ConfigError(f"--task.reward={spec!r}: cannot import {module} ({e}); is it on PYTHONPATH?") from e
+    except AttributeError:
+        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}") from None
     except (Exception, SystemExit) as e:  # a syntax error, or the module raised while it was imported
         raise ConfigError(f"--task.reward={spec!r}: importing {module} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(mod, name, None)
-    if fn is None:
-        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}")
     if not callable(fn):
         raise ConfigError(f"--task.reward={spec!r} is not a function")
     return fn

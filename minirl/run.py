@@ -32,7 +32,7 @@ import shutil
 import time
 
 import torch
-from safetensors.torch import save_file
+from huggingface_hub import save_torch_state_dict
 
 from minirl import checkpoint, dist, models
 from minirl.accumulator import Stall
@@ -180,7 +180,11 @@ class Run:
             return
         if before is not None:
             before()
-        card = model_card(self.loop.upper(), self.args, self.done, self.record.get("eval_accuracy"))
+        args, accuracy = self.args, self.record.get("eval_accuracy")
+        card = model_card(f"{os.path.basename(os.path.abspath(args.log.run_dir))} ({self.loop.upper()})", args.model.path,
+                          {"algorithm": self.loop.upper(), "task": os.path.basename(args.task.path) or args.task.name,
+                           "steps": self.done, "held-out accuracy (greedy, last evaluation)":
+                           "not evaluated" if accuracy is None else f"{accuracy:.4f}", "dtype": args.model.dtype})
         final = os.path.join(self.args.log.run_dir, "final")
         with self.log.phase("export", announce=f"exporting the policy to {final}"):
             export_hf(policy, self.path, final, self.world.is_main, models.DTYPES[self.args.model.dtype], card)
@@ -194,12 +198,12 @@ TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs,
 
 
 def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
-              dtype: torch.dtype | None = None, card: dict | None = None) -> None:
+              dtype: torch.dtype | None = None, card: str | None = None) -> None:
     """Gather the full parameters (a collective: every rank calls) and, on rank 0, write `out_dir/`:
     the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
     run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
-    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card`, a README.md
-    model card. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
+    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card` (`model_card`),
+    its README.md. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
     checkpoint.require_finite({"policy": model})
     state = {}
     for name, t in dist.full_parameters(model, dtype):
@@ -213,10 +217,11 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     for f in os.listdir(source_path):
         if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
             shutil.copyfile(os.path.join(source_path, f), os.path.join(tmp, f))  # contents, not the cache's modes
-    _save_weights(state, tmp)
+    # one model.safetensors, or shards of at most SHARD_BYTES with their index (as save_pretrained writes them)
+    save_torch_state_dict(state, tmp, max_shard_size=SHARD_BYTES, metadata={"format": "pt"})
     if card:
         with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(_model_card(card))
+            f.write(card)
     for f in os.listdir(tmp):
         os.chmod(os.path.join(tmp, f), 0o644)
     os.chmod(tmp, 0o755)
@@ -225,41 +230,17 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     os.rename(tmp, out_dir)
 
 
-def _save_weights(state: dict, folder: str) -> None:
-    shards, size = [[]], 0
-    for name, t in state.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    if len(shards) == 1:
-        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: state[n] for n in names}, os.path.join(folder, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def model_card(name: str, base: str, rows: dict) -> str:
+    """An export's README.md: a Hugging Face model card (`huggingface_hub.ModelCard`) with a metadata header,
+    the table `rows`, and the base model by its hub name or its folder's name (no absolute path)."""
+    from huggingface_hub import ModelCard, ModelCardData
 
-
-def model_card(algorithm: str, args, steps: int, eval_accuracy: float | None) -> dict:
-    """What a run's final/README.md says about it."""
-    task = args.task.name if args.task.name == "count" else f"{args.task.name} ({args.task.path})"
-    return {"name": f"{os.path.basename(os.path.abspath(args.log.run_dir))} ({algorithm})",
-            "base model": args.model.path, "algorithm": algorithm, "task": task, "steps": steps,
-            "held-out accuracy (greedy, last evaluation)": "not evaluated" if eval_accuracy is None
-            else f"{eval_accuracy:.4f}", "dtype": args.model.dtype}
+    hub = base.count("/") == 1 and not os.path.exists(base)
+    data = ModelCardData(library_name="transformers", base_model=base if hub else None,
+                         tags=["minirl", "reinforcement-learning"])
+    rows = {"base model": base if hub else os.path.basename(os.path.abspath(base)), **rows}
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {name}\n\n{CARD_MARK}\n\n| | |\n| --- | --- |\n{table}\n"))
 
 
 CARD_MARK = "Trained with minirl (RL post-training in plain PyTorch)."  # what tells an export from other folders
-
-
-def _model_card(card: dict) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in card.items())
-    return (f"# {card.get('name', 'minirl policy')}\n\n{CARD_MARK}\n\n"
-            f"| | |\n| --- | --- |\n{rows}\n")

@@ -246,12 +246,15 @@ def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, wo
     import minirl.run
     monkeypatch.setattr(minirl.run, "SHARD_BYTES", 200_000)
     policy = models.sharded(tiny_path, "policy", world, "float32")
-    card = {"name": "t", "steps": 3}
+    card = minirl.run.model_card("t", str(tiny_path), {"steps": 3})
     minirl.run.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, card)
     files = sorted(os.listdir(tmp_path / "final"))
     shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files
-    assert "README.md" in files and "| steps | 3 |" in (tmp_path / "final" / "README.md").read_text()
+    readme = (tmp_path / "final" / "README.md").read_text()
+    assert "README.md" in files and "| steps | 3 |" in readme
+    assert readme.startswith("---\n") and "- minirl" in readme and str(tmp_path) not in readme  # a hub header
+    assert os.path.dirname(str(tiny_path)) not in readme  # no absolute path: the base model by its folder name
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.bfloat16)
     ref = models.load_policy(tiny_path)
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ref.state_dict().values(),

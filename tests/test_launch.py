@@ -172,13 +172,14 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o644"
     card = (tmp_path / "out" / "README.md").read_text()  # the model card the README promises
     assert "step_00000002 (exported)" in card and "| steps | 2 |" in card
+    assert card.startswith("---\n") and str(tmp_path) not in card  # a hub metadata header, no absolute path
 
 
 def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
     """--overwrite replaces an earlier export (its minirl model card, config.json, weights) and nothing
     else: a model folder of one's own, with a config.json, JSON and text files and even weights, is not
     one and is refused before anything is deleted."""
-    from minirl.run import _model_card
+    from minirl.run import model_card
     from minirl.tools.export import check_out
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
     ckpt.mkdir(parents=True)
@@ -191,7 +192,7 @@ def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
     (theirs / "README.md").write_text("# my model\n")
     with pytest.raises(ConfigError, match="does not hold an export"):
         check_out(str(theirs), str(ckpt), overwrite=True)
-    (theirs / "README.md").write_text(_model_card({"name": "an earlier export", "steps": 1}))
+    (theirs / "README.md").write_text(model_card("an earlier export", "tiny", {"steps": 1}))
     check_out(str(theirs), str(ckpt), overwrite=True)  # an earlier export: may be replaced
     assert sorted(os.listdir(theirs)) == ["README.md", "config.json", "model.safetensors", "notes.txt",
                                           "tokenizer.json"]

@@ -62,14 +62,15 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
 
 def export(ckpt: str, out: str, model_path: str = "") -> str:
     from minirl import checkpoint, dist, models
-    from minirl.run import export_hf
+    from minirl.run import export_hf, model_card
     dist.init()
     cfg = ModelConfig(path=model_path) if model_path else run_model_config(ckpt)
     path = models.resolve_path(cfg)
     policy = models.load_policy(path)
     checkpoint.load_model(ckpt, "policy", policy)
-    card = {"name": f"{os.path.basename(os.path.abspath(ckpt))} (exported)", "base model": cfg.path,
-            "checkpoint": os.path.abspath(ckpt), "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype}
+    where = os.path.join(*os.path.abspath(ckpt).split(os.sep)[-3:])  # <run>/checkpoints/step_N, not the whole path
+    card = model_card(f"{os.path.basename(os.path.abspath(ckpt))} (exported)", cfg.path,
+                      {"checkpoint": where, "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype})
     export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], card=card)
     return out
 
