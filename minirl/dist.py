@@ -409,15 +409,16 @@ def quietly(fn) -> None:
 
 def sigterm_flag():
     """SIGTERM (torchrun forwards it to every rank) or a first Ctrl-C (SIGINT) asks for an emergency
-    save at the next step boundary; a second Ctrl-C stops at once. Returns a check that every rank of
-    the default group calls at the same point; they agree through a max all-reduce, so they all save
-    and stop, or none does. The check's `name` says which signal came ("SIGTERM", "Ctrl-C")."""
+    save at the next step boundary; a second signal stops at once (a scheduler's second SIGTERM too: a
+    step that never ends, e.g. a reward function that never returns, cannot hold the run). Returns a
+    check that every rank of the default group calls at the same point; they agree through a max
+    all-reduce, so they all save and stop, or none does. The check's `name` says which signal came ("SIGTERM", "Ctrl-C")."""
     got = []
 
     def on_signal(signum, _frame):
+        if got:  # the second signal: the user or the scheduler does not want to wait for the save
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
         if signum == signal.SIGINT:
-            if got:  # the second Ctrl-C: the user does not want to wait for the save
-                raise KeyboardInterrupt
             print("Ctrl-C: saving a checkpoint at the end of this step, then exiting (Ctrl-C again to stop now)",
                   file=sys.stderr, flush=True)
         got.append("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")

@@ -47,6 +47,7 @@ from minirl.rollout import check_model
 
 
 MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
 # Switches that belong to one run: a config file (often another run's config.json) never carries them
 # into this one; only the command line sets them.
 PER_RUN = {"log.run_dir", "log.overwrite", "checkpoint.resume", "checkpoint.dir"}
@@ -66,7 +67,15 @@ def _read(path: str) -> dict:
         if path.endswith((".yaml", ".yml")):
             import yaml
             # Aliases are refused before anything is built: nested ones expand exponentially (a 351-byte
-            # "billion laughs" file never finishes), and flags have no use for them.
+            # "billion laughs" file never finishes), and flags have no use for them. Deep flow nesting is
+            # refused first, by a linear count: PyYAML's scanner slows with the depth (600 KB took minutes).
+            depth = deepest = 0
+            for ch in text:
+                depth += (ch in "[{") - (ch in "]}")
+                deepest = max(deepest, depth)
+            if deepest > MAX_CONFIG_DEPTH:
+                raise ConfigError(f"--config={path!r} nests [ or {{ more than {MAX_CONFIG_DEPTH} deep; flags "
+                                  "nest a few levels")
             if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text)):
                 raise ConfigError(f"--config={path!r}: YAML aliases (*name) are not supported; write the values out")
             data = yaml.safe_load(text)  # plain data only: never constructs objects

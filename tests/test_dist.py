@@ -176,3 +176,18 @@ def test_gpus_that_torch_cannot_use_stop_the_launch_with_one_line(monkeypatch, c
 
 def test_nvml_probe_answers_none_on_a_machine_without_the_driver():
     assert dist._nvml() is None or torch.cuda.is_available()  # this CPU machine: no libnvidia-ml
+
+
+def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does(world):
+    """The first asks for a save at the step's end; a second must not wait for a step that may never end
+    (a reward function that never returns): schedulers send SIGTERM, then SIGKILL."""
+    import os
+    import signal
+    check = dist.sigterm_flag()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert check() and check.name == "SIGTERM"
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 128 + signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)

@@ -256,3 +256,26 @@ def test_a_config_file_with_a_dotted_or_trl_key_says_what_to_write(tmp_path, tex
     f.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(says)):
         launch.parse(GRPOArgs, ["--config", str(f)], "")
+
+
+@pytest.mark.parametrize("inside", ["step_00000001/hf", "hf", "step_00000002"])
+def test_an_export_inside_the_checkpoint_folder_is_refused(tmp_path, inside):
+    """A folder a keep-last-K prune or --log.overwrite would remove, the export with it."""
+    from minirl.tools.export import check_out
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is inside the checkpoint folder .* a prune or --log.overwrite removes it"):
+        check_out(str(ckpt.parent / inside), str(ckpt), overwrite=False)
+    check_out(str(tmp_path / "run" / "hf"), str(ckpt), overwrite=False)  # beside it: fine
+
+
+def test_a_deeply_nested_config_file_is_refused_before_yaml_scans_it(tmp_path):
+    """600 KB of nested flow sequences (under the size cap, no aliases) kept PyYAML's scanner busy for
+    minutes; the depth is counted first, in one pass."""
+    import time
+    f = tmp_path / "deep.yaml"
+    f.write_text("rl: " + "[" * 300_000 + "]" * 300_000 + "\n")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"nests \[ or \{ more than 32 deep"):
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+    assert time.perf_counter() - t0 < 5  # a guard against a hang, not a benchmark (it takes ~0.1 s)

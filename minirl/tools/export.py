@@ -42,6 +42,9 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
     if o in (os.sep, run_dir) or here == o or here.startswith(o + os.sep) or src == o or src.startswith(o + os.sep):
         raise ConfigError(f"OUT={out!r} is the current directory, a folder above it, or holds the checkpoint or its "
                           "run; give the export a folder of its own")
+    if o.startswith(os.path.dirname(src) + os.sep):  # a keep-last-K prune or --log.overwrite would remove it
+        raise ConfigError(f"OUT={out!r} is inside the checkpoint folder {os.path.dirname(src)}, where a prune or "
+                          "--log.overwrite removes it; give the export a folder outside it")
     if not os.path.exists(o):
         return
     if not os.path.isdir(o):
