@@ -71,6 +71,8 @@ def test_a_config_file_never_carries_the_runs_own_switches_in_the_flags_own_spel
     ("steps: abc\n", "steps='abc' is not an integer"),
     ("steps: 2.5\n", "steps=2.5 is not an integer"),
     ("rl:\n  lr: [1]\n", "rl.lr=[1] is not a number"),
+    ("rl:\n  lr: true\n", "rl.lr=True is not a number"),  # YAML's true is a bool, never 1
+    ("steps: yes\n", "steps=True is not an integer"),
     ("log:\n  tensorboard: 1\n", "log.tensorboard=1 is not true or false"),
     ("rl:\n  lr_schedule: linear\n", "rl.lr_schedule='linear' is not one of 'constant', 'cosine'"),
     ("a: &a [x, x]\nb: &b [*a, *a]\nc: &c [*b, *b]\n", "aliases"),

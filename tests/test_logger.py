@@ -104,10 +104,18 @@ def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     log = RunLog(str(tmp_path), enabled=True, wandb_project="minirl-test")
+    tables = []
+    real_log = log._wandb.log
+    log._wandb.log = lambda data, step=None: (tables.extend(k for k in data if k == "train_samples"),
+                                              real_log(data, step=step))
+    row = {"prompt": "q", "completion": "c", "reward": 1.0, "rewards": {"f": 1.0}, "clipped": False}
     for s in range(3):
-        log.write({"step": s, "reward_mean": s / 10})
+        log.write({"step": s, "reward_mean": s / 10, "train_samples": [row] * 2})  # --log.train-samples 2
     log.close()
     assert (tmp_path / "wandb_run_id").read_text().strip() in str(list((tmp_path / "wandb").iterdir()))
+    assert tables == ["train_samples"] * 3  # a W&B table a step, accepted by the real package
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [r["step"] for r in rows] == [0, 0, 1, 1, 2, 2] and all(r["split"] == "train" for r in rows)
 
 
 def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):

@@ -272,3 +272,26 @@ def test_a_reward_that_never_pays_is_warned_about_once_after_ten_batches(forms):
     for r in ([0.0], [1.0]) + ([0.0],) * 12:
         paid.watch(r, ["x"], ["3"])
     assert len(said) == 1  # a run that paid once is never warned
+
+
+def test_two_functions_of_one_name_are_logged_by_their_full_names(tmp_path):
+    """reward/<name> must not merge two functions: the same name in two files is logged by each spec."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "score.py").write_text(f"def f(completion, answer):\n    return {1.0 if d == 'a' else 0.5}\n")
+    specs = [f"{tmp_path}/a/score.py:f", f"{tmp_path}/b/score.py:f", "minirl.rewards:count"]
+    s = Scorer(specs, [])
+    assert s.names == specs[:2] + ["count"]
+    assert s(["1"], ["1"], [False])[1] == [[1.0], [0.5], [1.0]]  # each file's own function
+
+
+@pytest.mark.parametrize("answer, right, wrong", [
+    ("3rd street", "#### 3rd Street.", "#### 3"),  # a text reference that begins with a digit stays text
+    ("1000", "#### 1,000", "#### 100"),
+])
+def test_a_reference_is_compared_as_a_number_only_when_it_is_one(tmp_path, answer, right, wrong):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": f"#### {answer}"}) + "\n" for i in range(5)))
+    t = make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0)
+    assert t.rows[0].answer == answer
+    assert t.scorer([right, wrong], [answer] * 2, [False, False])[0] == [1.0, 0.0]
