@@ -210,9 +210,10 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
             raise ConfigError(why)
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
-        name = a[2:].split("=")[0].replace("_", "-")
-        if a.startswith("--") and name not in known and elsewhere(a, getattr(cls, "LOOP", "")):
-            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{elsewhere(a, cls.LOOP)}")
+        unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
+        hint = elsewhere(a, getattr(cls, "LOOP", "")) if unknown else ""
+        if hint:
+            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{hint}")
     default = cls()
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):

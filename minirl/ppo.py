@@ -140,9 +140,10 @@ def group_metrics(groups: list[dict], G: int, names: list[str], rows: int, tok, 
     parts = dict(zip(names, cat("reward_parts", dim=1)))
     out = sample_metrics(cat("rewards"), G, cat("lengths").tolist(), cat("clipped").tolist(), parts)
     prompt_tokens = float(sum(g["prompt"].numel() * g["lengths"].numel() for g in groups))
-    comps = [c[:n].tolist() for g in groups for c, n in zip(g["completions"], g["lengths"].tolist())]
+    shown = groups[:-(-train_samples // G)]  # only the groups that hold the rows asked for (none by default)
+    comps = [c[:n].tolist() for g in shown for c, n in zip(g["completions"], g["lengths"].tolist())]
     return {**out, "prompt_len_mean": dist.all_reduce(torch.tensor([prompt_tokens], dtype=torch.float64)).item() / rows,
-            "train_samples": training_rows(tok, [g["prompt"].tolist() for g in groups for _ in range(G)], comps,
+            "train_samples": training_rows(tok, [g["prompt"].tolist() for g in shown for _ in range(G)], comps,
                                            cat("rewards"), parts, cat("clipped"), train_samples)}
 
 
