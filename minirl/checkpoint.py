@@ -2,8 +2,9 @@
 beside it; the final policy in Hugging Face format is the harness's (run.export_hf).
 
 Contract:
-- `save` writes `<dir>/step_<N>.tmp/`, fsyncs it, writes the COMPLETE marker last and renames
-  the folder to `step_<N>/` (N = loop steps done). A crash at any point leaves either the
+- `save` writes `<dir>/step_<N>.tmp/`; `commit` (at once, or when the run has written the step's
+  records) fsyncs it, writes the COMPLETE marker last and renames the folder to `step_<N>/` (N =
+  loop steps done). A crash at any point leaves either the
   previous complete checkpoint or a `.tmp`/unmarked folder that is never loaded. The newest
   `keep` complete checkpoints are kept.
 - `find(resume, dir, loop, world_size)`: "" = fresh; "auto" = the newest complete checkpoint that
@@ -18,8 +19,9 @@ Contract:
   `torch.load(weights_only=True)` before DCP reads it (`_SafePlanner`); anything else is refused
   with an error that names the file. Tensors go through `torch.load(weights_only=True)` (DCP),
   the loop state is JSON, the RNG states safetensors.
-- Before anything is read, `load` compares every parameter's shape with the checkpoint's and
-  names the first that differs (a checkpoint of another model shape).
+- Every parameter's shape is compared with the checkpoint's, naming the first that differs (a
+  checkpoint of another model shape): by `check_shapes` before the run writes anything (models on
+  the meta device), and by `load` before anything is read.
 All ranks call `save` and `load` (they are collectives).
 """
 
@@ -156,9 +158,11 @@ def require_finite(models: dict) -> None:
         raise CheckpointError(f"refusing to write a model whose parameters are not finite ({bad or 'on another rank'})")
 
 
-def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: int) -> str:
+def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: int, complete: bool = True) -> str:
     """parts: {name: (model, optimizer)}, e.g. {"policy": ...} for GRPO, policy and value for PPO.
-    A model with a non-finite parameter is never written (`require_finite`)."""
+    A model with a non-finite parameter is never written (`require_finite`). `complete=False`: the
+    data only, under the `.tmp` name; `commit` makes it count later (once the run's history of the
+    step is written: a checkpoint never claims a step its run's metrics do not hold)."""
     require_finite({name: model for name, (model, _) in parts.items()})
     rank = torch.distributed.get_rank()
     final = os.path.join(ckpt_dir, f"step_{steps_done:08d}")
@@ -189,7 +193,15 @@ def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: in
         raise CheckpointError(f"saving the checkpoint {final} failed: {why}; the earlier checkpoints are untouched") \
             from failure
     dist.barrier()
-    if rank == 0:
+    return commit(ckpt_dir, steps_done, keep) if complete else tmp
+
+
+def commit(ckpt_dir: str, steps_done: int, keep: int) -> str:
+    """Make the written `step_<N>.tmp/` count (every rank calls; rank 0 writes): its files fsynced, the
+    COMPLETE marker, the rename to `step_<N>/`, then the prune to the newest `keep`."""
+    final = os.path.join(ckpt_dir, f"step_{steps_done:08d}")
+    tmp = final + ".tmp"
+    if torch.distributed.get_rank() == 0:
         dist.fault("kill_in_save", steps_done)  # tests: die after the data, before the marker
         fsync_tree(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
@@ -332,6 +344,15 @@ def _safe_load(path: str, sd: dict, parts: dict) -> None:
     reader = _SafeReader(path)
     _check_shapes(path, reader.read_metadata(), parts)
     dcp.load(sd, storage_reader=reader, planner=_SafePlanner())
+
+
+PARTS = {"grpo": ("policy",), "ppo": ("policy", "value")}  # the models each loop's checkpoint holds
+
+
+def check_shapes(path: str, models: dict) -> None:
+    """`check`'s last part, given the run's models (on the meta device will do: only the shapes are read):
+    every parameter in the checkpoint with the shape it has here."""
+    _check_shapes(path, _read_metadata(path), {part: (model, None) for part, model in models.items()})
 
 
 def _check_shapes(path: str, metadata, parts: dict) -> None:

@@ -11,7 +11,8 @@
   any model, engine or process group is built: the flags and `--config`, the `--dry-run` branch (the
   only way into the tools, minirl/tools/, and lazily), validation for the launch's world, the model
   folder and what the engine can run, the task (its prompts checked, its reward functions imported),
-  the checkpoint to resume, and the run directory's claim (`claim`).
+  the checkpoint to resume (its files, and its shapes against the model's), and the run directory's
+  claim (`claim`).
 - `claim(args, resume)`: one live run owns a run directory (a kernel lock, `<run dir>/.lock`, that dies
   with its process; a second run on it exits 2 naming the holder); `--checkpoint.resume auto` in a run
   directory that holds a run but no complete checkpoint is refused; `--log.overwrite` removes the old
@@ -271,6 +272,8 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     disaggregated = args.grid.gpu_placement == "disaggregated"
     train_ranks = world_size - (args.grid.rollout_ranks if disaggregated else 0)
     ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps)
+    if ready.resume:  # another model's checkpoint is refused before the run directory is touched
+        checkpoint.check_shapes(ready.resume, models.on_meta(path, checkpoint.PARTS[cls.LOOP]))
     claim(args, ready.resume)
     return ready
 

@@ -159,6 +159,13 @@ class RunLog:
         for row in (rows[first:] + rows[:first])[:self.shown]:
             print(sample_line(row, f"version {where['eval_version']}"), flush=True)
 
+    def sync(self) -> None:
+        """metrics.jsonl and samples.jsonl on disk (before a checkpoint may claim their steps)."""
+        for f in (self._file, self._samples):
+            if f:
+                f.flush()
+                os.fsync(f.fileno())
+
     def info(self, msg: str) -> None:
         """minirl's own lines go to stdout with the step lines; errors alone go to stderr."""
         if self.enabled:

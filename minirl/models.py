@@ -169,6 +169,18 @@ def load_value(path: str) -> ValueModel:
     return ValueModel(backbone, backbone.config.hidden_size)
 
 
+def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
+    """The models of `kinds` ("policy", "value") built on the meta device from the folder's config: their
+    parameters' names and shapes, without a byte of weights (what a checkpoint is checked against)."""
+    _quiet_loading()
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    build = {"policy": lambda: AutoModelForCausalLM.from_config(config),
+             "value": lambda: ValueModel(AutoModel.from_config(config), config.hidden_size)}
+    with torch.device("meta"):
+        return {kind: build[kind]() for kind in kinds}
+
+
 def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,
             checkpointing: bool = False) -> nn.Module:
     """The trainer's models as both entrypoints build them: loaded (policy and value in float32

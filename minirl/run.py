@@ -17,7 +17,8 @@ module decides when. Both loops build one `Run` and call it in a line at each po
   loop's business (GRPO's update window, B22-B23); whether it happens is the harness's.
 - `run.end_step(step, record, stepped, save)`: the step's record written (with its time, memory and
   profile); the stall rule; on SIGTERM or Ctrl-C an emergency save through `save` (unless the step
-  saved already) and the end of the loop; else a scheduled save through `save`; the early stop at
+  saved already) and the end of the loop; else a scheduled save through `save`; the step's
+  checkpoint completed only now, after its records are on disk; the early stop at
   --log.target-eval-accuracy (every rank agrees).
 - `run.finish(policy, before)`: the final policy exported to <run dir>/final in Hugging Face format
   (`export_hf`, which minirl-export runs too), unless a signal stopped the run.
@@ -109,9 +110,11 @@ class Run:
         self.info(f"resumed from {self.resume} at step {self.start}")
 
     def save(self, step: int) -> None:
-        """The checkpoint of the run after `step` (every rank: a collective)."""
+        """The checkpoint of the run after `step` (every rank: a collective), written but not yet complete:
+        `end_step` completes it once the step's records are on disk, so a kill in between leaves the
+        previous checkpoint, never one that claims a step metrics.jsonl lacks."""
         checkpoint.save(self.args.checkpoint_dir, step + 1, self.parts, {"loop": self.loop, **self.state()},
-                        self.args.checkpoint.keep)
+                        self.args.checkpoint.keep, complete=False)
         self.saved = step
 
     # ---- the step ----
@@ -150,16 +153,17 @@ class Run:
         self.log.write(record)
         self.record, self.done = record, step + 1
         self.stall.step(stepped, step)  # raises after the flag's number of steps without an update
-        if self.stop():  # every rank agrees (a collective)
-            if self.saved != step:
-                with self.log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
-                    save()
+        signalled = self.stop()  # every rank agrees (a collective)
+        if (signalled or self.saves(step, stepped)) and self.saved != step:
+            with self.log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
+                save()
+        if self.saved == step:  # the step's records first, then the checkpoint that claims them
+            self.log.sync()
+            checkpoint.commit(self.args.checkpoint_dir, step + 1, self.args.checkpoint.keep)
+        if signalled:
             self.info(f"{self.stop.name}: saved {self.args.checkpoint_dir} at step {step + 1}; exiting")
             self.stopped = "signal"
             return
-        if self.saves(step, stepped) and self.saved != step:
-            with self.log.phase("checkpoint", announce=f"saving the checkpoint of step {step + 1}"):
-                save()
         target = self.args.log.target_eval_accuracy
         reached = float(bool(target) and record.get("eval_accuracy", 0.0) >= target)
         if dist.all_reduce(torch.tensor([reached]), "max").item():  # every rank stops with the one that saw it

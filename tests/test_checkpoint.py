@@ -102,6 +102,22 @@ def test_a_checkpoint_of_another_model_shape_names_the_parameter_and_both_shapes
         checkpoint.load(path, parts)
 
 
+@e2e
+def test_a_resume_of_another_model_shape_is_refused_before_the_run_dir_is_touched(straight, tmp_path):
+    """The model's shapes (built on the meta device) are checked against the checkpoint's metadata in the
+    preflight: config.json and the history still describe the run's own model, which stays resumable."""
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    before = {f: (run_dir / f).read_bytes() for f in ("config.json", "metrics.jsonl")}
+    p = grpo(run_dir, "--steps", "6", "--checkpoint.resume", "auto", "--model.tiny.intermediate-size", "192",
+             "--model.tiny.warm-start-steps", "0")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "has shape (256, 128) there and (192, 128) in this model" in p.stderr
+    assert "loading the policy" not in p.stdout
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     d = tmp_path_factory.mktemp("straight")
@@ -127,14 +143,28 @@ def test_scheduled_saves_publish_once_per_step(straight):
     assert [r["weight_syncs"] for r in recs] == [1, 1, 1, 1]
 
 
+def history_holds_the_newest_checkpoint(run_dir) -> None:
+    """What a kill at any moment leaves: metrics.jsonl holds every step the newest complete checkpoint
+    claims (a resume starts after them and never writes them again)."""
+    newest = checkpoint.find("auto", str(run_dir / "checkpoints"))
+    done = checkpoint.steps_done(newest) if newest else 0
+    steps = {r["step"] for r in records(run_dir) if "reward_mean" in r}
+    assert set(range(done)) <= steps, (newest, sorted(steps))
+
+
 @e2e
-@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save", "kill_before_rename"])
+@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save", "kill_before_rename", "kill_before_prune"])
 def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight, tmp_path, point):
-    """kill -9 while step 4's checkpoint is written: with a data file cut short, after the data but
-    before the COMPLETE marker, and complete but not yet renamed. The resume takes step 2's and the
-    run ends exactly as one that was never interrupted."""
+    """kill -9 while step 4's checkpoint is written (in the update window: before its step's record):
+    with a data file cut short, after the data but before the COMPLETE marker, complete but not yet
+    renamed, and in place before the prune. The history holds every step the newest complete
+    checkpoint claims; the resume takes step 2's and the run ends exactly as one never interrupted."""
     p = grpo(tmp_path, "--steps", "4", env={"MINIRL_FAULT": f"{point}:4"})
     assert p.returncode == -signal.SIGKILL
+    history_holds_the_newest_checkpoint(tmp_path)
+    if point == "kill_before_prune":  # step 4's checkpoint is complete: the run is done but for its export
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004"]
+        return
     ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
     assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one is never taken
     p = grpo(tmp_path, "--steps", "4", "--checkpoint.resume", "auto")
