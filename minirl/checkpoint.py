@@ -27,6 +27,7 @@ All ranks call `save` and `load` (they are collectives).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -58,19 +59,21 @@ def _complete(path: str) -> bool:
 
 
 def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | None = None,
-         steps: int | None = None) -> str | None:
+         steps: int | None = None, owner: dict | None = None) -> str | None:
     """The checkpoint to resume, checked (`check`) before anything is built when `loop` is given:
     an explicit folder that fails is refused; `auto` takes the newest complete one that passes,
     saying which broken ones it skipped. `steps` (--steps): refused when the checkpoint already
-    holds that many, rather than a run that trains nothing and rewrites the run's config."""
-    path = _find(resume, ckpt_dir, loop, world_size)
+    holds that many, rather than a run that trains nothing and rewrites the run's config. `owner`:
+    the run directory's identity (`{"run", "line", "from"}`, launch.identity): `auto` takes only a
+    checkpoint of its line, or of an earlier line up to the step the current one started from."""
+    path = _find(resume, ckpt_dir, loop, world_size, owner or {})
     if path and steps is not None and steps_done(path) >= steps:
         raise CheckpointError(f"--steps={steps}: {path} already holds {steps_done(path)} steps, so nothing is left "
                               f"to train; give a larger --steps to continue the run")
     return path
 
 
-def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None) -> str | None:
+def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, owner: dict) -> str | None:
     if not resume:
         return None
     if resume != "auto":
@@ -84,9 +87,13 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None) 
                   and _complete(os.path.join(ckpt_dir, d))) if os.path.isdir(ckpt_dir) else []
     for d in reversed(done):
         try:
+            path = os.path.join(ckpt_dir, d)
+            state = _state(path)
+            if owner and state.get("line", owner["line"]) != owner["line"] and steps_done(path) > owner["from"]:
+                continue  # a line this run left when it resumed an older checkpoint by path
             if loop:
-                check(os.path.join(ckpt_dir, d), loop, world_size)
-            return os.path.join(ckpt_dir, d)
+                check(path, loop, world_size)
+            return path
         except CheckpointError as e:
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"--checkpoint.resume auto: skipping {e}", flush=True)
@@ -102,11 +109,7 @@ def check(path: str, loop: str, world_size: int) -> None:
     train ranks), every rank's DCP shard and RNG state present and non-empty, its metadata made of
     DCP's own classes only (`_SafeUnpickler`; a crafted one is refused unrun), and every data file
     as long as the metadata says (a file cut short by a crash or a full disk)."""
-    try:
-        with open(os.path.join(path, "loop_state.json")) as f:
-            state = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e})") from e
+    state = _state(path)
     if state.get("loop", loop) != loop:
         raise CheckpointError(f"checkpoint {path} was written by minirl.{state['loop']}; this is minirl.{loop}")
     missing = [k for k in ("steps_done", "world_size", "python_rng", "numpy_rng", *LOOP_KEYS[loop]) if k not in state]
@@ -140,10 +143,29 @@ def check(path: str, loop: str, world_size: int) -> None:
 def steps_done(path: str) -> int:
     """Loop steps a complete checkpoint holds (cheap: reads its JSON loop state)."""
     try:
+        return int(_state(path)["steps_done"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e!r})") from e
+
+
+def _state(path: str) -> dict:
+    try:
         with open(os.path.join(path, "loop_state.json")) as f:
-            return int(json.load(f)["steps_done"])
-    except (OSError, ValueError, KeyError) as e:
+            return json.load(f)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable loop_state.json ({e})") from e
+
+
+def foreign(ckpt_dir: str, owner: dict) -> str:
+    """The first complete checkpoint in `ckpt_dir` written by a run other than `owner`'s (a run directory's
+    identity; {} for a run directory that holds none yet), or "". A checkpoint folder belongs to one run."""
+    names = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    for d in (d for d in names if d.startswith("step_") and _complete(os.path.join(ckpt_dir, d))):
+        with contextlib.suppress(CheckpointError):
+            state = _state(os.path.join(ckpt_dir, d))
+            if state.get("run", owner.get("run")) != owner.get("run"):
+                return f"{os.path.join(ckpt_dir, d)}, written by the run in {state.get('run_dir')}"
+    return ""
 
 
 def require_finite(models: dict) -> None:

@@ -111,6 +111,9 @@ class TaskConfig:
     is eval_accuracy."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per --task.reward function (the reward is their weighted sum); empty = 1 each."""
+    reward_timeout: float = 0.0
+    """Seconds one call of a reward function may take before the run stops, naming it (a judge or sandbox call
+    that never returns); 0 = no limit. Either way, a call that has not returned for a minute is reported."""
 
 
 @dataclass
@@ -310,6 +313,9 @@ def _check_run(args) -> None:
         raise ConfigError(f"--task.eval-path={args.task.eval_path!r} is not a file; "
                           "give a JSONL file or leave it empty")
     _at_least("--checkpoint.keep", args.checkpoint.keep, 1)
+    _at_least("--task.reward-timeout", args.task.reward_timeout, 0)
+    if args.seed >= 2**32:
+        raise ConfigError(f"--seed={args.seed} must be below 2**32 (numpy's seeds are 32-bit)")
     if args.checkpoint.resume not in ("", "auto") and not os.path.isdir(args.checkpoint.resume):
         raise ConfigError(f"--checkpoint.resume={args.checkpoint.resume!r} is not a folder; "
                           "give a checkpoint folder, `auto`, or leave it empty")

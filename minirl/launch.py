@@ -6,7 +6,7 @@
   continues the same recipe for longer. A key the dataclass does not have, or a value its flag would
   refuse, is an error naming it. A file never sets the run's own switches (`--log.run-dir`,
   `--log.overwrite`, `--checkpoint.resume`, `--checkpoint.dir`): rerunning another run's config.json
-  must not write into, resume or wipe that run. YAML aliases and files over 1 MiB are refused.
+  must not write into, resume or wipe that run. YAML aliases, a key given twice and files over 64 KiB are refused.
 - `preflight(cls, argv, loop)`: what a loop starts from, every check done first, before
   any model, engine or process group is built: the flags and `--config`, the `--dry-run` branch (the
   only way into the tools, minirl/tools/, and lazily), validation for the launch's world, the model
@@ -19,9 +19,10 @@
   run's metrics, config, final/, logs and its checkpoints first, so neither a resume nor a prune ever
   mixes two runs. (The checks that need no lock are `config._check_run_dir`, in every `validate`.)
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
-  through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint; 1 with one line
-  when a reward function failed during the run (`rewards.RewardError`, naming it); 3 with one
-  line when a run stopped because it could no longer learn; 4 with one line when a rank lost a peer
+  through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint, or a reward
+  function past --task.reward-timeout; 1 with one line when a reward function failed during the run
+  (`rewards.RewardError`, naming it); 3 with one line when a run stopped because it could no longer
+  learn; 4 with one line when a rank lost a peer
   (another rank, its node, or the run's store; `dist.lost_peer`); and the process group is torn down
   before the process leaves (without the interpreter's teardown, see `leave`).
 """
@@ -36,10 +37,13 @@ import logging
 import os
 import shutil
 import sys
+import time
 import typing
+import uuid
 from dataclasses import dataclass
 
 import tyro
+import yaml
 
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
@@ -47,7 +51,7 @@ from minirl.config import ConfigError
 from minirl.rollout import check_model
 
 
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 64 << 10  # a recipe is a few KiB; PyYAML takes seconds per 100 KiB of a long list
 MAX_CONFIG_DEPTH = 32
 # Switches that belong to one run: a config file (often another run's config.json) never carries them
 # into this one; only the command line sets them.
@@ -58,7 +62,7 @@ def _read(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path!r} is not a file")
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"--config={path!r} is over {MAX_CONFIG_BYTES >> 20} MiB; a config file holds flags")
+        raise ConfigError(f"--config={path!r} is over {MAX_CONFIG_BYTES >> 10} KiB; a config file holds flags")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -66,7 +70,6 @@ def _read(path: str) -> dict:
         raise ConfigError(f"--config={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     try:
         if path.endswith((".yaml", ".yml")):
-            import yaml
             # Aliases are refused before anything is built: nested ones expand exponentially (a 351-byte
             # "billion laughs" file never finishes), and flags have no use for them. Deep flow nesting is
             # refused first, by a linear count: PyYAML's scanner slows with the depth (600 KB took minutes).
@@ -79,17 +82,36 @@ def _read(path: str) -> dict:
                                   "nest a few levels")
             if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text)):
                 raise ConfigError(f"--config={path!r}: YAML aliases (*name) are not supported; write the values out")
-            data = yaml.safe_load(text)  # plain data only: never constructs objects
+            data = yaml.load(text, Loader=_Unique)  # plain data only (SafeLoader): never constructs objects
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique(dict(pairs), [k for k, _ in pairs]))
     except ConfigError:
         raise
+    except _Twice as e:
+        raise ConfigError(f"--config={path!r}: {e}") from None
     except Exception as e:
         raise ConfigError(f"--config={path!r}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'} "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"--config={path!r}: expected a mapping of flags, got a {type(data).__name__}")
     return data
+
+
+class _Twice(ValueError):
+    """A key given twice in one mapping of a config file (YAML and JSON readers keep the last, silently)."""
+
+
+def _unique(mapping: dict, keys: list) -> dict:
+    if len(mapping) != len(keys):
+        raise _Twice(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is given twice; give it once")
+    return mapping
+
+
+class _Unique(yaml.SafeLoader):
+    """PyYAML's safe loader (plain data only), refusing a key given twice."""
+
+    def construct_mapping(self, node, deep=False):
+        return _unique(super().construct_mapping(node, deep), [self.construct_object(k) for k, _ in node.value])
 
 
 # TRL's and verl's names for a setting (the last part of a dotted name, `_` for `-`) -> minirl's flag;
@@ -235,6 +257,7 @@ class Ready:
     tok: object          # its tokenizer
     task: object         # the prompts, checked against the prompt budget, with their scorer
     resume: str | None   # the checkpoint to resume from, checked from its files, or None
+    owner: dict = dataclasses.field(default_factory=dict)  # the run's identity (global rank 0; `claim`)
 
     @property
     def max_model_len(self) -> int:
@@ -271,10 +294,12 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
                                  evaluates=bool(args.log.eval_every))  # every prompt and reward function
     disaggregated = args.grid.gpu_placement == "disaggregated"
     train_ranks = world_size - (args.grid.rollout_ranks if disaggregated else 0)
-    ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps)
+    owned_checkpoints(args)
+    ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps,
+                                   owner=identity(args.log.run_dir))
     if ready.resume:  # another model's checkpoint is refused before the run directory is touched
         checkpoint.check_shapes(ready.resume, models.on_meta(path, checkpoint.PARTS[cls.LOOP]))
-    claim(args, ready.resume)
+    ready.owner = claim(args, ready.resume)
     return ready
 
 
@@ -286,9 +311,12 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag, file or checkpoint: say which, no traceback
         print(f"{name}: error: {e}", file=sys.stderr)
         code = 2
-    except rewards.RewardError as e:  # a reward function raised, exited or returned no number: which, on what
+    except rewards.RewardError as e:  # a reward function raised, exited, returned no number or hung: which, on what
         print(f"{name}: error: {e}", file=sys.stderr)
-        code = 1
+        code = e.code
+    except KeyboardInterrupt:  # a Ctrl-C outside the steps (the build, an eval, an export): one line
+        print(f"{name}: interrupted (Ctrl-C); nothing after the last complete checkpoint is kept", file=sys.stderr)
+        code = 130
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         print(f"{name}: stopped: {e}", file=sys.stderr)
         code = 3
@@ -319,7 +347,7 @@ def leave(code: int = 0) -> None:
 
 _held: dict[str, object] = {}  # run dir -> its open lock file, kept open (and locked) until the process exits
 
-OLD_RUN = ("metrics.jsonl", "metrics.jsonl.tmp", "samples.jsonl", "samples.jsonl.tmp", "config.json", "final",
+OLD_RUN = ("run.json", "metrics.jsonl", "metrics.jsonl.tmp", "samples.jsonl", "samples.jsonl.tmp", "config.json", "final",
            "final.tmp", "tensorboard", "wandb", "wandb_run_id", "curve.png")
 
 
@@ -328,22 +356,72 @@ def holds_run(run_dir: str) -> bool:
     return os.path.isfile(metrics) and os.path.getsize(metrics) > 0
 
 
-def claim(args, resume: str | None) -> None:
-    """Own `args.log.run_dir` for this run (global rank 0 only; other ranks return at once)."""
+def identity(run_dir: str) -> dict:
+    """The run a run directory holds, from its `run.json`: `run` (its id), `line` (the id of the line of
+    checkpoints it is on) and `from` (the step that line started from); {} when it holds none."""
+    try:
+        with open(os.path.join(run_dir, "run.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def owned_checkpoints(args) -> None:
+    """A checkpoint folder belongs to one run: one that holds another run's is refused (unless
+    --log.overwrite, which removes them)."""
+    other = "" if args.log.overwrite else checkpoint.foreign(args.checkpoint_dir, identity(args.log.run_dir))
+    if other:
+        raise ConfigError(f"--checkpoint.dir={args.checkpoint_dir!r} holds another run's checkpoint ({other}); a "
+                          "checkpoint folder belongs to one run: pick another --checkpoint.dir (or --log.overwrite "
+                          "to remove them)")
+
+
+def claim(args, resume: str | None) -> dict:
+    """Own `args.log.run_dir` and `args.checkpoint_dir` for this run (global rank 0 only; other ranks
+    return {} at once); returns the run's identity (`identity`), begun or continued (`begin`)."""
     if int(os.environ.get("RANK", 0)) != 0:
-        return
+        return {}
     d = args.log.run_dir
     os.makedirs(d, exist_ok=True)
-    lock(d)
+    lock(d, "--log.run-dir")
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
+    lock(args.checkpoint_dir, "--checkpoint.dir")
     if args.log.overwrite:
         clear(d, args.checkpoint_dir)
     elif args.checkpoint.resume == "auto" and resume is None and holds_run(d):
         raise ConfigError(f"--checkpoint.resume auto: {d!r} holds a run but {args.checkpoint_dir!r} has no complete "
                           "checkpoint to resume; start over with --log.overwrite, or pick another --log.run-dir")
+    return begin(args, resume)
 
 
-def lock(run_dir: str) -> None:
-    path = os.path.abspath(os.path.join(run_dir, ".lock"))
+def begin(args, resume: str | None) -> dict:
+    """The run's identity in run.json: a new run when it starts fresh; the same run and line on `auto`;
+    a new line from the checkpoint a resume by path names, the newer checkpoints of the line it leaves
+    moved (never deleted) to `<checkpoint dir>/set_aside/<time>/`, so `auto` never goes back to them."""
+    new, owner = uuid.uuid4().hex[:12], identity(args.log.run_dir)
+    start = checkpoint.steps_done(resume) if resume else 0
+    if not resume or not owner:
+        owner = {"run": new, "line": new, "from": start}
+    elif args.checkpoint.resume != "auto":
+        owner = {"run": owner["run"], "line": new, "from": start}
+    path = os.path.join(args.log.run_dir, "run.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(owner, f)
+    os.replace(path + ".tmp", path)  # the new line first: a crash among the moves below leaves no doubt
+    d = args.checkpoint_dir
+    newer = sorted(n for n in os.listdir(d) if n.startswith("step_") and n[5:13].isdigit() and int(n[5:13]) > start)
+    if resume and args.checkpoint.resume != "auto" and newer:
+        aside = os.path.join(d, "set_aside", time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(aside, exist_ok=True)
+        for n in newer:
+            os.rename(os.path.join(d, n), os.path.join(aside, n))
+        print(f"--checkpoint.resume={resume}: the line it leaves has newer checkpoints ({', '.join(newer)}); "
+              f"they are set aside in {aside}", flush=True)
+    return owner
+
+
+def lock(folder: str, flag: str = "--log.run-dir") -> None:
+    path = os.path.abspath(os.path.join(folder, ".lock"))
     if path in _held:
         return
     f = open(path, "a+")
@@ -353,8 +431,8 @@ def lock(run_dir: str) -> None:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise ConfigError(f"--log.run-dir={run_dir!r} is in use by a live run ({holder}); wait for it to end, "
-                          "or pick another --log.run-dir") from None
+        raise ConfigError(f"{flag}={folder!r} is in use by a live run ({holder}); wait for it to end, "
+                          f"or pick another {flag}") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
@@ -369,7 +447,7 @@ def clear(run_dir: str, checkpoint_dir: str) -> None:
             _remove(os.path.join(run_dir, name))
     if os.path.isdir(checkpoint_dir):
         for name in os.listdir(checkpoint_dir):
-            if name.startswith("step_"):
+            if name.startswith("step_") or name == "set_aside":
                 _remove(os.path.join(checkpoint_dir, name))
         if not os.listdir(checkpoint_dir):
             os.rmdir(checkpoint_dir)

@@ -78,15 +78,13 @@ class RunLog:
         t0, marks = time.perf_counter(), len(self.profile.get("phases", ()))
         if announce:
             self.info(f"{announce} ...")
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + dt
-            if announce:
-                self.info(f"{announce}: done in {dt:.1f} s")
-            if len(self.profile.get("phases", ())) == marks:
-                self.mark(name, **(extra() if extra else {}))
+        yield  # an error (a Ctrl-C) goes up from here: the phase is not done, and is not said to be
+        dt = time.perf_counter() - t0
+        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + dt
+        if announce:
+            self.info(f"{announce}: done in {dt:.1f} s")
+        if len(self.profile.get("phases", ())) == marks:
+            self.mark(name, **(extra() if extra else {}))
 
     def mark(self, boundary: str, **extra: float) -> None:
         """MINIRL_PROFILE_LOOP=1: close the profile's phase ending at `boundary`: its wall time, the
@@ -124,8 +122,7 @@ class RunLog:
             self.step_times.append(record["time/step"])
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        _append(self._file, [json.dumps(record) + "\n"])
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -140,8 +137,7 @@ class RunLog:
                 eta = sum(recent) / len(recent) * max(self.total - record["step"] - 1, 0)
             print(console_line(record, self.total, eta, first=record.get("step") == self.start_step), flush=True)
         if trained:  # --log.train-samples: beside the evals', and a W&B table
-            self._samples.writelines(json.dumps({"step": record["step"], "split": "train", **r}) + "\n" for r in trained)
-            self._samples.flush()
+            _append(self._samples, [json.dumps({"step": record["step"], "split": "train", **r}) + "\n" for r in trained])
             if self._wandb is not None:
                 import wandb
                 self._wandb.log({"train_samples": wandb.Table(columns=list(trained[0]),
@@ -152,8 +148,7 @@ class RunLog:
 
     def _write_samples(self, record: dict, rows: list[dict]) -> None:
         where = {"step": record.get("step", 0), "eval_version": record.get("eval_version")}
-        self._samples.writelines(json.dumps({**where, **row}) + "\n" for row in rows)
-        self._samples.flush()
+        _append(self._samples, [json.dumps({**where, **row}) + "\n" for row in rows])
         first = self._evals * self.shown % len(rows)  # each eval shows the next few prompts of the set
         self._evals += 1
         for row in (rows[first:] + rows[:first])[:self.shown]:
@@ -174,11 +169,22 @@ class RunLog:
     def close(self) -> None:
         for f in (self._file, self._samples):
             if f:
-                f.close()
+                with contextlib.suppress(OSError):  # a full disk was said when a write failed (`_append`)
+                    f.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _append(f, lines: list[str]) -> None:
+    """Whole lines to a history file, flushed; a full disk is one line (a resume drops a line it cut)."""
+    try:
+        f.writelines(lines)
+        f.flush()
+    except OSError as e:
+        raise ConfigError(f"writing {f.name} failed: [Errno {e.errno}] {e.strerror}; free some space and resume "
+                          "with --checkpoint.resume auto (a line cut short is dropped)") from e
 
 
 def sample_line(row: dict, where: str = "") -> str:

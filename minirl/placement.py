@@ -274,7 +274,7 @@ class _Term:
         if self.heard is not None and now - self.heard > PEER_TIMEOUT_S:
             addr = self.store.get("trainer/addr").decode() if self.store.check(["trainer/addr"]) else "?"
             raise dist.PeerLost(f"rollout rank {self.rank} lost train rank 0 at {addr}: no heartbeat for "
-                                f"{now - self.heard:.0f} s (its process or its node is gone)")
+                                f"{now - self.heard:.0f} s (its process is gone or stopped, or its node unreachable)")
         return False
 
     def wait(self, key: str) -> bool:

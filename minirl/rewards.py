@@ -29,7 +29,8 @@ task was won by writing the count and padding every completion to the cap.
 values (their means are `reward/<name>` in the metrics), as TRL's `reward_funcs`/`reward_weights` and
 verl's `custom_reward_function` do. The first function is the one `eval_accuracy` reports on the
 held-out prompts. A function that raises, exits or returns what is not a finite number ends the run
-(`RewardError`: one line naming it and the completion); one whose every reward of the first 10 training
+(`RewardError`: one line naming it and the completion); one that has not returned for a minute gets a
+line naming it, and `--task.reward-timeout` ends the run (exit 2) when one takes longer; one whose every reward of the first 10 training
 batches is 0 is warned about once (`Scorer.watch`).
 """
 
@@ -37,12 +38,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import contextlib
 import inspect
 import math
 import os
 import pkgutil
 import re
+import signal
 import sys
+import threading
+import time
 from typing import Callable
 
 from minirl.config import ConfigError
@@ -104,9 +109,25 @@ FORMS = {  # how each kind of reward function is called, as the errors describe 
 class RewardError(RuntimeError):
     """A reward function failed or returned what is not a reward: (its spec, what it was given, why)."""
 
+    code = 1  # the run's exit code (launch.run)
+
     def __str__(self) -> str:
         spec, on, why = self.args
         return f"--task.reward {spec} failed on {on}: {why}"
+
+
+class RewardTimeout(RewardError):
+    """A reward function that did not return within --task.reward-timeout: a setting to change, exit 2."""
+
+    code = 2
+
+
+class _Late(BaseException):
+    """Raised into a reward function at --task.reward-timeout (not an Exception: its `except Exception` lets
+    it through)."""
+
+
+WARN_S = 60.0  # a reward function that has not returned for this long gets a line naming it
 
 
 def load(spec: str) -> Callable:
@@ -152,7 +173,7 @@ def kind(fn: Callable) -> str:
 class Scorer:
     """The run's reward functions with their weights (`specs`, `weights` as the flags give them)."""
 
-    def __init__(self, specs: list[str], weights: list[float]):
+    def __init__(self, specs: list[str], weights: list[float], timeout: float = 0.0):
         if weights and len(weights) != len(specs):
             raise ConfigError(f"--task.reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s) "
                               "(--task.reward); give one weight per function")
@@ -164,6 +185,7 @@ class Scorer:
         short = [s.replace(":", ".").rpartition(".")[2] for s in specs]
         self.names = [n if short.count(n) == 1 else s for n, s in zip(short, specs)]  # reward/<name>
         self.say, self.zero_batches = print, 0  # the run's console (run.Run sets it); all-zero batches so far
+        self.timeout = timeout  # --task.reward-timeout: seconds a call may take (0: no limit)
 
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
                  completion_ids: list | None = None) -> tuple[list, list[list]]:
@@ -178,23 +200,55 @@ class Scorer:
 
     def _values(self, i: int, texts, answers, rows, completion_ids) -> list[float]:
         fn, form = self.fns[i], self.kinds[i]
+        on = [f"the completion {texts[0][:200]!r}" + (" (the first of the batch)" if len(texts) > 1 else "")]
         try:
-            if form == "trl":
-                chat = [isinstance(r.get("prompt"), list) for r in rows]
-                columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r if k != "prompt"}
-                got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
-                            completions=[[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
-                            **columns)
-                if not isinstance(got, (list, tuple)) or len(got) != len(texts):
-                    raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
-                return [math.nan if v is None else _reward(v) for v in got]
-            if form == "verl":
-                return [_reward(_call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
-                                      extra_info=r.get("extra_info"))) for t, a, r in zip(texts, answers, rows)]
-            return [_reward(fn(t, a)) for t, a in zip(texts, answers)]
+            with self._watched(i, on):
+                if form == "trl":
+                    chat = [isinstance(r.get("prompt"), list) for r in rows]
+                    columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r if k != "prompt"}
+                    got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
+                                completions=[[{"role": "assistant", "content": t}] if c else t
+                                             for t, c in zip(texts, chat)], **columns)
+                    if not isinstance(got, (list, tuple)) or len(got) != len(texts):
+                        raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
+                    return [math.nan if v is None else _reward(v) for v in got]
+                out = []
+                for t, a, r in zip(texts, answers, rows):  # one row at a time: `on` names the one being scored
+                    on[0] = f"the completion {t[:200]!r}"
+                    out.append(_reward(_call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
+                                             extra_info=r.get("extra_info")) if form == "verl" else fn(t, a)))
+                return out
+        except _Late:
+            raise RewardTimeout(self.specs[i], on[0], f"no return within --task.reward-timeout={self.timeout:g} s; "
+                                "give it a timeout of its own, or raise the flag") from None
         except (Exception, SystemExit) as e:  # a library's exit() too: the run must not end as if it had finished
-            on = f"the completion {texts[0][:200]!r}{' (the first of the batch)' if len(texts) > 1 else ''}"
-            raise RewardError(self.specs[i], on, f"{type(e).__name__}: {e}; it is called as {FORMS[form]}") from e
+            raise RewardError(self.specs[i], on[0], f"{type(e).__name__}: {e}; it is called as {FORMS[form]}") from e
+
+    @contextlib.contextmanager
+    def _watched(self, i: int, on: list[str]):
+        """While function `i` runs: a line naming it and `on[0]` (what it is scoring) once it has not returned
+        for WARN_S seconds (or half the timeout), then every WARN_S; `_Late` raised into it at the timeout.
+        By SIGALRM, so in the main thread only (elsewhere the function runs unwatched)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        started, first = time.monotonic(), min(WARN_S, self.timeout / 2) if self.timeout else WARN_S
+
+        def ring(signum, frame):
+            waited = time.monotonic() - started
+            if self.timeout and waited >= self.timeout * 0.999:
+                raise _Late()
+            self.say(f"warning: --task.reward {self.specs[i]} has not returned for {waited:.0f} s, on {on[0]}"
+                     + ("" if self.timeout else "; --task.reward-timeout S ends the run after S seconds"))
+            signal.setitimer(signal.ITIMER_REAL, min(WARN_S, self.timeout - waited) if self.timeout else WARN_S)
+
+        before = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, first)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
 
     def check(self, problem) -> None:
         """Call every function once on `problem` with an empty completion (before any model is built): one
@@ -244,4 +298,4 @@ def _shown(value) -> str:
 def scorer(cfg) -> Scorer:
     """The Scorer of the --task.* flags: --task.reward, or the task's built-in."""
     specs = cfg.reward or [BUILT_IN["count" if cfg.name == "count" else cfg.answer_format]]
-    return Scorer(specs, cfg.reward_weights)
+    return Scorer(specs, cfg.reward_weights, cfg.reward_timeout)

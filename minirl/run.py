@@ -60,6 +60,8 @@ class Run:
         self.stopped = ""          # "" (ran on), "signal" or "target"
         self.saved = None          # the last step whose checkpoint this run wrote
         self.parts, self.state = {}, dict
+        self.owner = {"run": ready.owner["run"], "line": ready.owner["line"],
+                      "run_dir": os.path.abspath(args.log.run_dir)} if ready.owner else {}  # stamped on each save
         self.first_step, self._t0, self._in_step = self.start, time.perf_counter(), False
         self.done = self.start     # loop steps done
         if args.checkpoint.resume == "auto" and not ready.resume:
@@ -113,7 +115,7 @@ class Run:
         """The checkpoint of the run after `step` (every rank: a collective), written but not yet complete:
         `end_step` completes it once the step's records are on disk, so a kill in between leaves the
         previous checkpoint, never one that claims a step metrics.jsonl lacks."""
-        checkpoint.save(self.args.checkpoint_dir, step + 1, self.parts, {"loop": self.loop, **self.state()},
+        checkpoint.save(self.args.checkpoint_dir, step + 1, self.parts, {"loop": self.loop, **self.owner, **self.state()},
                         self.args.checkpoint.keep, complete=False)
         self.saved = step
 
@@ -207,7 +209,8 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
     run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
     SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card` (`model_card`),
-    its README.md. Written under a temporary name and renamed whole; files 0644, the folder 0755."""
+    its README.md. Written under a temporary name and renamed whole (a failure removes it, and a full disk
+    is one line, CheckpointError); files 0644, the folder 0755."""
     checkpoint.require_finite({"policy": model})
     state = {}
     for name, t in dist.full_parameters(model, dtype):
@@ -217,6 +220,19 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
         return
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_export(state, source_path, tmp, card)
+    except BaseException as e:  # a full disk, a Ctrl-C: nothing half-written stays; an earlier export is whole
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise checkpoint.CheckpointError(f"exporting to {out_dir} failed: [Errno {e.errno}] {e.strerror}; "
+                                             "nothing was written there") from e
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+
+
+def _write_export(state: dict, source_path: str, tmp: str, card: str | None) -> None:
     os.makedirs(tmp)
     for f in os.listdir(source_path):
         if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
@@ -230,8 +246,6 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
         os.chmod(os.path.join(tmp, f), 0o644)
     os.chmod(tmp, 0o755)
     checkpoint.fsync_tree(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
 
 
 def model_card(name: str, base: str, rows: dict) -> str:

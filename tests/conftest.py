@@ -62,6 +62,11 @@ def ready_for(args, path: str, resume: str | None = None):
     return Ready(args, path, tok, make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens), resume)
 
 
+def checkpoint_names(folder) -> list[str]:
+    """The checkpoints (and interrupted saves) in a checkpoint folder, without the run's lock file."""
+    return sorted(n for n in os.listdir(folder) if n != ".lock")
+
+
 def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repo root; on failure show its output."""
     # The `world` fixture makes this process a torchrun world of one; a child must not inherit it.

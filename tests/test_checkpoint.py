@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run, sigterm_after
+from conftest import checkpoint_names, run, sigterm_after
 from minirl import checkpoint, models, tasks
 
 
@@ -139,7 +139,7 @@ def test_scheduled_saves_publish_once_per_step(straight):
     """B22: a scheduled save at a step that does not validate runs inside the update's window, so a
     save step syncs the engine once, like any other (down the after-publication path it would be twice)."""
     recs = [r for r in records(straight) if "reward_mean" in r]
-    assert len(recs) == 4 and sorted(os.listdir(straight / "checkpoints")) == ["step_00000002", "step_00000004"]
+    assert len(recs) == 4 and checkpoint_names(straight / "checkpoints") == ["step_00000002", "step_00000004"]
     assert [r["weight_syncs"] for r in recs] == [1, 1, 1, 1]
 
 
@@ -163,16 +163,16 @@ def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight
     assert p.returncode == -signal.SIGKILL
     history_holds_the_newest_checkpoint(tmp_path)
     if point == "kill_before_prune":  # step 4's checkpoint is complete: the run is done but for its export
-        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004"]
+        assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000002", "step_00000004"]
         return
-    ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
+    ckpts = checkpoint_names(tmp_path / "checkpoints")
     assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one is never taken
     p = grpo(tmp_path, "--steps", "4", "--checkpoint.resume", "auto")
     assert p.returncode == 0 and "step_00000002" in p.stdout
     a, b = weights(straight), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(straight) == records(tmp_path)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000004"]
+    assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000002", "step_00000004"]
 
 
 @e2e
@@ -218,7 +218,7 @@ def test_a_run_that_can_no_longer_learn_stops_without_saving_or_exporting(tmp_pa
              env={"MINIRL_FAULT": "nan_rewards:2"})
     assert p.returncode == 3
     assert "stopped: step 3: 2 steps in a row (2-3) took no optimizer step" in p.stderr and "Traceback" not in p.stderr
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
+    assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002"]
     assert not (tmp_path / "final").exists()
     assert [json.loads(line).get("skipped_nonfinite", 0) for line in open(tmp_path / "metrics.jsonl")] == [0, 0, 1, 1]
 
@@ -252,7 +252,7 @@ def test_sigterm_saves_and_exits(tmp_path, sig, name):
                                "0", "--log.run-dir", str(tmp_path)], str(metrics), records=2, sig=sig)
     assert code == 0, err[-3000:]
     last = json.loads(metrics.read_text().strip().splitlines()[-1])["step"]
-    assert os.listdir(tmp_path / "checkpoints") == [f"step_{last + 1:08d}"]
+    assert checkpoint_names(tmp_path / "checkpoints") == [f"step_{last + 1:08d}"]
     assert f"{name}: saved" in err and "Traceback" not in err
 
 
@@ -289,6 +289,28 @@ def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, wo
     ref = models.load_policy(tiny_path)
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ref.state_dict().values(),
                                                                      back.state_dict().values()))
+
+
+@pytest.mark.parametrize("fault", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_export_leaves_the_earlier_one_whole_and_nothing_half_written(tmp_path, world, tiny_path,
+                                                                               monkeypatch, fault):
+    """A full disk (one line naming the folder and the error) or a Ctrl-C while the weights are written:
+    the earlier export in OUT is untouched and no OUT.tmp is left."""
+    import minirl.run
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    out = tmp_path / "final"
+    minirl.run.export_hf(policy, tiny_path, str(out), True, torch.float32)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+
+    def fail(*args, **kwargs):
+        raise fault
+    monkeypatch.setattr(minirl.run, "save_torch_state_dict", fail)
+    with pytest.raises(checkpoint.CheckpointError if isinstance(fault, OSError) else KeyboardInterrupt) as e:
+        minirl.run.export_hf(policy, tiny_path, str(out), True, torch.float32)
+    if isinstance(fault, OSError):
+        assert str(e.value) == f"exporting to {out} failed: [Errno 28] No space left on device; nothing was written there"
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["final"]
 
 
 def two_checkpoints(tmp_path, world, tiny_path, loop_state):
@@ -358,6 +380,90 @@ def test_a_save_on_a_full_disk_says_so_and_leaves_nothing_to_resume(tmp_path):
         assert p.returncode == 2, p.stderr[-2000:]
         assert "No space left on device" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-        assert os.listdir(disk) == []
+        assert checkpoint_names(disk) == []
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+@e2e
+def test_a_checkpoint_folder_belongs_to_one_run(straight, tmp_path):
+    """A second run pointed at another run's --checkpoint.dir (fresh, or `auto`) is refused before anything
+    is built or written: it would have pruned the other's checkpoints, or resumed another seed's weights
+    under its own history."""
+    before = checkpoint_names(straight / "checkpoints")
+    for resume in ("", "auto"):
+        p = grpo(tmp_path / "other", "--steps", "6", "--checkpoint.dir", str(straight / "checkpoints"),
+                 *(["--checkpoint.resume", resume] if resume else []))
+        assert p.returncode == 2 and "holds another run's checkpoint" in p.stderr and str(straight) in p.stderr
+        assert "Traceback" not in p.stderr and "loading the policy" not in p.stdout
+    assert not (tmp_path / "other").exists() and checkpoint_names(straight / "checkpoints") == before
+
+
+@e2e
+def test_a_resume_by_path_from_an_older_checkpoint_sets_the_newer_ones_aside(straight, tmp_path):
+    """Resuming step 2 by path (to redo steps 3-4 another way) moves step 4 aside, with a line saying where;
+    the new line's checkpoints are the ones `auto` takes after a preemption, never the abandoned line's."""
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    older = run_dir / "checkpoints" / "step_00000002"
+    p = grpo(run_dir, "--steps", "3", "--checkpoint.every", "1", "--checkpoint.resume", str(older))
+    assert p.returncode == 0, p.stderr
+    aside = re.search(r"they are set aside in (\S+)", p.stdout).group(1)
+    assert os.listdir(aside) == ["step_00000004"] and os.path.dirname(os.path.dirname(aside)).endswith("checkpoints")
+    assert checkpoint_names(run_dir / "checkpoints") == ["set_aside", "step_00000002", "step_00000003"]
+    p = grpo(run_dir, "--steps", "4", "--checkpoint.every", "1", "--checkpoint.resume", "auto")
+    assert p.returncode == 0 and "step_00000003 at step 3" in p.stdout, p.stdout + p.stderr
+    assert [r["step"] for r in records(run_dir) if "reward_mean" in r] == [0, 1, 2, 3]
+
+
+def test_auto_never_takes_a_checkpoint_of_a_line_the_run_left(tmp_path, world, tiny_path):
+    """Were a newer checkpoint of the old line still in place (a crash among the moves), `auto` passes
+    over it: past the step the run's current line started from, only that line's checkpoints count."""
+    first, second = two_checkpoints(tmp_path, world, tiny_path, {**GRPO_STATE, "run": "r", "line": "old"})
+    owner = {"run": "r", "line": "new", "from": 1}
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, owner=owner) == first
+    state = json.load(open(os.path.join(second, "loop_state.json")))
+    json.dump({**state, "line": "new"}, open(os.path.join(second, "loop_state.json"), "w"))
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, owner=owner) == second
+    assert checkpoint.foreign(str(tmp_path / "checkpoints"), owner) == ""
+    assert checkpoint.foreign(str(tmp_path / "checkpoints"), {}).startswith(first)
+
+
+def test_a_save_makes_its_data_durable_then_marks_renames_and_prunes_in_that_order(tmp_path, world, tiny_path,
+                                                                                  monkeypatch):
+    """Four saves with --checkpoint.keep 2, every fsync, rename and removal recorded: each data file and the
+    folder are on disk before the COMPLETE marker, the marker before the rename, the rename (and its
+    folder's fsync) before anything older is pruned; the newest two remain, and a re-save of a step
+    replaces it whole."""
+    import shutil
+    calls = []
+    real_fsync, real_rename, real_rmtree = os.fsync, os.rename, shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (calls.append(("rename", str(a), str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(shutil, "rmtree", lambda p, **k: (calls.append(("rmtree", str(p))), real_rmtree(p, **k))[1])
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    parts, d = {"policy": (policy, models.adamw(policy, 1e-4))}, str(tmp_path / "checkpoints")
+    for step in (1, 2, 3, 4):
+        calls.clear()
+        final = checkpoint.save(d, step, parts, dict(GRPO_STATE), keep=2)
+        tmp = final + ".tmp"
+        files = {os.path.join(tmp, f) for f in os.listdir(final) if f != checkpoint.MARKER}
+        synced = [c[1] for c in calls if c[0] == "fsync"]
+        marker = synced.index(os.path.join(tmp, checkpoint.MARKER))
+        assert files <= set(synced[:marker]) and tmp in synced[:marker]  # data and folder first, then the marker
+        rename = calls.index(("rename", tmp, final))
+        assert calls.index(("fsync", os.path.join(tmp, checkpoint.MARKER))) < rename
+        assert ("fsync", d) in calls[rename:]  # the rename itself on disk
+        pruned = [c for c in calls[rename:] if c[0] == "rmtree"]
+        assert pruned == ([("rmtree", os.path.join(d, f"step_{step - 2:08d}"))] if step > 2 else [])
+    assert checkpoint_names(d) == ["step_00000003", "step_00000004"]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    checkpoint.save(d, 4, parts, dict(GRPO_STATE), keep=2)  # a re-save of step 4 (after a resume from step 3)
+    assert checkpoint_names(d) == ["step_00000003", "step_00000004"]
+    fresh = models.sharded(tiny_path, "policy", world, "float32")
+    checkpoint.load_model(os.path.join(d, "step_00000004"), "policy", fresh)
+    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(policy.parameters(), fresh.parameters()))

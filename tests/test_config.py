@@ -152,6 +152,8 @@ def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_pa
     (PPOArgs, "ppo.value_lr", float("nan"), "--ppo.value-lr=nan must be"),
     (GRPOArgs, "model.tiny.num_heads", 0, "--model.tiny.num-heads=0 must be > 0"),
     (GRPOArgs, "seed", -1, "--seed=-1 must be >= 0"),
+    (PPOArgs, "seed", 2**32, "--seed=4294967296 must be below 2**32"),
+    (GRPOArgs, "task.reward_timeout", -1.0, "--task.reward-timeout=-1.0 must be >= 0"),
     (GRPOArgs, "task.eval_prompts", -1, "--task.eval-prompts=-1 must be >= 0"),
     (PPOArgs, "async_rl.sampler.max_lookahead_versions", -2, "--async-rl.sampler.max-lookahead-versions"),
     (GRPOArgs, "rollout.max_prompt_tokens", 0, "--rollout.max-prompt-tokens=0 must be > 0"),

@@ -202,6 +202,23 @@ def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_export_and_eval_of_what_is_no_checkpoint_say_what_it_is(finished, tmp_path):
+    """A run directory, its final/ export or a missing folder given as the checkpoint: one line saying
+    what it is and what to give (it said "partial", or advised --model-path)."""
+    from minirl.tools.export import check_checkpoint
+    newest = finished / "checkpoints" / "step_00000002"
+    for given, says in [(finished, f"is a run directory; give one of its checkpoints (the newest is {newest}), or "
+                                    f"use its exported policy: --model.path {finished / 'final'}"),
+                        (finished / "final", "is not a training checkpoint (no loop_state.json); give <run dir>/"
+                                             "checkpoints/step_N, or a Hugging Face folder as --model.path"),
+                        (tmp_path / "none", "is not a folder")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            check_checkpoint(str(given), "--checkpoint")
+    check_checkpoint(str(newest), "--checkpoint")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_export_never_deletes_what_it_did_not_write(finished, tmp_path):
     """OUT may be new or empty, or with --overwrite an earlier export; a folder of one's own files, the
     run's own directory, the current directory and `/` are refused with one line, before any load."""
@@ -271,12 +288,27 @@ def test_an_export_inside_the_checkpoint_folder_is_refused(tmp_path, inside):
     check_out(str(tmp_path / "run" / "hf"), str(ckpt), overwrite=False)  # beside it: fine
 
 
+@pytest.mark.parametrize("name, text", [("twice.yaml", "rl:\n  lr: 1e-4\n  lr: 1e-5\n"),
+                                        ("twice.json", '{"rl": {"lr": 1e-4, "lr": 1e-5}}')])
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=r"the key 'lr' is given twice; give it once"):
+        launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "")
+
+
+def test_a_config_file_over_64_kib_is_refused_before_it_is_read(tmp_path):
+    """A 600 KB flat list (no nesting, no aliases) kept PyYAML busy for 41 s before its type was refused."""
+    (tmp_path / "long.yaml").write_text("task:\n  reward: [" + ", ".join(["x"] * 200_000) + "]\n")
+    with pytest.raises(ConfigError, match=r"is over 64 KiB; a config file holds flags"):
+        launch.parse(GRPOArgs, ["--config", str(tmp_path / "long.yaml")], "")
+
+
 def test_a_deeply_nested_config_file_is_refused_before_yaml_scans_it(tmp_path):
-    """600 KB of nested flow sequences (under the size cap, no aliases) kept PyYAML's scanner busy for
-    minutes; the depth is counted first, in one pass."""
+    """Nested flow sequences (under the size cap, no aliases: 600 KB kept PyYAML's scanner busy for
+    minutes); the depth is counted first, in one pass."""
     import time
     f = tmp_path / "deep.yaml"
-    f.write_text("rl: " + "[" * 300_000 + "]" * 300_000 + "\n")
+    f.write_text("rl: " + "[" * 30_000 + "]" * 30_000 + "\n")
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=r"nests \[ or \{ more than 32 deep"):
         launch.parse(GRPOArgs, ["--config", str(f)], "")

@@ -131,3 +131,15 @@ def test_each_reward_function_is_logged_as_its_own_mean():
                        {"gsm8k": [1.0, 0.0, 0.0, 1.0], "ends_cleanly": [1.0, 1.0, 0.0, 0.0]})
     assert r["reward/gsm8k"] == 0.5 and r["reward/ends_cleanly"] == 0.5 and r["reward_mean"] == pytest.approx(0.6)
     assert r["completion_clip_ratio"] == 0.25
+
+
+def test_a_full_disk_under_the_history_is_one_line_naming_the_file():
+    """metrics.jsonl or samples.jsonl on a full disk: one line (exit 2), not a traceback from deep in a step."""
+    import pytest
+    from minirl import logger
+    from minirl.config import ConfigError
+    log = logger.RunLog("", enabled=False)
+    log._file = open("/dev/full", "w")
+    with pytest.raises(ConfigError, match=r"writing /dev/full failed: \[Errno 28\] No space left on device; free "):
+        logger._append(log._file, ['{"step": 0}\n'])
+    log.close()  # the line above is the error: closing the file (which flushes again) adds none

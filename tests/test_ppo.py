@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ready_for, run, sigterm_after
+from conftest import checkpoint_names, ready_for, run, sigterm_after
 from minirl.config_ppo import PPOArgs
 
 def e2e(test):
@@ -99,7 +99,7 @@ def test_train_loop_releases_logs_and_saves_only_after_both_updates(tiny_path, w
     update = ["critic", "refit"] if colocated else ["refit", "critic"]
     step = ["chunk", *update, "release", "log", "save"]
     assert events == ["start", *step, *step, "stop"], events
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
+    assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002"]
 
 
 class NaNRewards(RecordingSource):
@@ -325,8 +325,8 @@ def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     chunks = [line for line in p.stdout.splitlines() if line.startswith("train_pump: step 0 chunk")]
     assert chunks and all(int(line.split("groups=")[1].split()[0]) % 2 == 0 for line in chunks)
     ckpts = tmp_path / "checkpoints"
-    assert sorted(os.listdir(ckpts)) == ["step_00000001", "step_00000002"]
-    assert all((ckpts / d / "COMPLETE").exists() for d in os.listdir(ckpts))
+    assert checkpoint_names(ckpts) == ["step_00000001", "step_00000002"]
+    assert all((ckpts / d / "COMPLETE").exists() for d in checkpoint_names(ckpts))
     p = ppo(3, tmp_path, "--steps", "3", *flags, "--checkpoint.resume", "auto")
     assert p.returncode == 0 and "resumed from" in p.stdout and "step_00000002" in p.stdout
     recs = steps_logged(tmp_path)
@@ -375,7 +375,7 @@ def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocate
     import signal
     p = ppo(1, tmp_path, *COLOCATED, env={"MINIRL_FAULT": f"{point}:2"})
     assert p.returncode == -signal.SIGKILL
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002.tmp"]
+    assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002.tmp"]
     p = ppo(1, tmp_path, *COLOCATED, "--checkpoint.resume", "auto")
     assert p.returncode == 0 and "step_00000001" in p.stdout
     assert [strip(r) for r in steps_logged(colocated_straight)] == [strip(r) for r in steps_logged(tmp_path)]
@@ -423,7 +423,7 @@ def test_sigterm_saves_between_steps_and_every_rank_exits(tmp_path, placement):
     assert "SIGTERM: saved" in err, err[-3000:]
     last = steps_logged(tmp_path)[-1]["step"]
     ckpt = tmp_path / "checkpoints" / f"step_{last + 1:08d}"
-    assert os.listdir(tmp_path / "checkpoints") == [ckpt.name] and (ckpt / "COMPLETE").exists()
+    assert checkpoint_names(tmp_path / "checkpoints") == [ckpt.name] and (ckpt / "COMPLETE").exists()
     assert "SIGKILL" not in err  # nobody had to be killed: the rollout rank left at the trainer's stop
     if placement == "colocated":
         assert code == 0

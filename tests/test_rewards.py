@@ -3,7 +3,9 @@
 import json
 import math
 import re
+import signal
 import sys
+import time
 
 import pytest
 
@@ -295,3 +297,29 @@ def test_a_reference_is_compared_as_a_number_only_when_it_is_one(tmp_path, answe
     t = make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0)
     assert t.rows[0].answer == answer
     assert t.scorer([right, wrong], [answer] * 2, [False, False])[0] == [1.0, 0.0]
+
+
+def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_through_except_exception(
+        tmp_path, monkeypatch):
+    """A judge call without a timeout: a line names the function and the completion it is on, and
+    --task.reward-timeout ends it (RewardTimeout: exit 2) though the function catches every Exception."""
+    (tmp_path / "slow_rw.py").write_text(
+        "import time\n"
+        "def slow(completion, answer):\n    if completion == '7':\n        time.sleep(0.6)\n    return 1.0\n"
+        "def stuck(completion, answer):\n    while completion == '7':\n        try:\n            time.sleep(100)\n"
+        "        except Exception:\n            pass\n    return 1.0\n")
+    monkeypatch.setattr(rewards, "WARN_S", 0.2)
+    said = []
+    s = Scorer([f"{tmp_path}/slow_rw.py:slow"], [])
+    s.say = said.append
+    assert s(["3", "7"], ["3", "3"], [False, False])[0] == [1.0, 1.0]  # slow but within no limit: it goes on
+    assert said and said[0].startswith(f"warning: --task.reward {tmp_path}/slow_rw.py:slow has not returned for 0 s, "
+                                       "on the completion '7'") and "--task.reward-timeout" in said[0]
+    s = Scorer([f"{tmp_path}/slow_rw.py:stuck"], [], timeout=1.0)
+    s.say = said.append
+    t0 = time.monotonic()
+    with pytest.raises(rewards.RewardTimeout, match=rf"slow_rw.py:stuck failed on the completion '7': no return "
+                                                    r"within --task.reward-timeout=1 s") as e:
+        s(["3", "7"], ["3", "3"], [False, False])
+    assert e.value.code == 2 and time.monotonic() - t0 < 5
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0

@@ -45,12 +45,16 @@ def test_overwrite_starts_the_run_dir_clean_of_the_old_run(tmp_path, monkeypatch
         os.makedirs(tmp_path / "checkpoints" / f"step_{step:08d}")
         (tmp_path / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("")
     (tmp_path / "engine_rank0.log").write_text("old")
+    os.makedirs(tmp_path / "checkpoints" / "set_aside" / "20261201-000000" / "step_00000005")
+    (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
     (tmp_path / "notes.txt").write_text("mine")
     monkeypatch.delenv("RANK", raising=False)
     args = GRPOArgs()
     args.log.run_dir, args.log.overwrite = str(tmp_path), True
-    launch.claim(args, None)
-    assert sorted(os.listdir(tmp_path)) == [".lock", "notes.txt"]
+    owner = launch.claim(args, None)
+    assert sorted(os.listdir(tmp_path)) == [".lock", "checkpoints", "notes.txt", "run.json"]
+    assert os.listdir(tmp_path / "checkpoints") == [".lock"]  # the new run's lock on its checkpoint folder
+    assert launch.identity(str(tmp_path)) == owner and owner["run"] != "old" and owner["from"] == 0
 
 
 def test_overwrite_and_resume_together_are_refused():
@@ -80,3 +84,24 @@ def test_a_second_run_on_a_live_runs_dir_exits_2_and_a_dead_run_leaves_no_lock(t
         first.send_signal(signal.SIGKILL)
         first.wait()
     launch.lock(str(tmp_path))  # the kernel released the dead run's lock
+
+
+def test_a_checkpoint_folder_in_use_by_a_live_run_is_refused_naming_it(tmp_path, monkeypatch):
+    """Two runs, each with its own run dir, sharing a --checkpoint.dir: the second is refused at once
+    (the live run's lock covers its checkpoint folder wherever it is)."""
+    shared = tmp_path / "shared"
+    os.makedirs(shared)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from minirl import launch; "
+                               f"launch.lock({str(shared)!r}, '--checkpoint.dir'); print('held', flush=True); "
+                               "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.delenv("RANK", raising=False)
+        args = GRPOArgs()
+        args.log.run_dir, args.checkpoint.dir = str(tmp_path / "b"), str(shared)
+        with pytest.raises(ConfigError, match=rf"--checkpoint.dir='{shared}' is in use by a live run "
+                                              rf"\(pid {holder.pid} on "):
+            launch.claim(args, None)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -77,6 +77,7 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
                         'got missing'),
     ('[1, 2]', "expected an object"),
     ('{"prompt": "q", ', "not JSON"),
+    ('{"prompt": "  ", "answer": "1"}', "the prompt is empty"),  # it crashed the step that reached it, each resume
 ])
 def test_a_bad_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, says):
     """Not turned into the string "None" (which could never earn a reward), nor found at step 0."""
@@ -97,6 +98,17 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
         make_task(cfg, 0, load_tokenizer(tiny_path), 32)
     with pytest.raises(ConfigError, match=r"--rollout\.max-prompt-tokens=8: the built-in task's prompts take up to 12"):
         make_task(TaskConfig(), 0, load_tokenizer(tiny_path), 8)
+
+
+def test_a_prompt_given_twice_is_never_both_trained_on_and_held_out(tmp_path, capsys):
+    """Duplicate lines in one file: every copy of a held-out prompt leaves the training rows, with a line."""
+    f = tmp_path / "train.jsonl"
+    f.write_text("".join(f'{{"prompt": "q{i % 10}", "answer": "{i % 10}"}}\n' for i in range(40)))
+    task = JsonlTask(str(f), seed=0, eval_prompts=8)
+    held = {p.prompt for p in task.eval_set}
+    assert held and not held & {p.prompt for p in task.rows}
+    assert len(task.rows) == 40 - 4 * len(held)  # each prompt is 4 of the 40 lines
+    assert "training row(s) repeat a held-out prompt; left out of training" in capsys.readouterr().out
 
 
 def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_it(tmp_path):

@@ -162,6 +162,10 @@ def test_a_parquet_file_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
 def test_a_mis_signatured_reward_exits_2_before_the_engine_and_one_failing_later_exits_1_naming_it(tmp_path):
     (tmp_path / "bad_rw.py").write_text("def one_arg(completion):\n    return 1.0\n"
                                         "def later(completion, answer):\n    if completion:\n        raise KeyError('k')\n"
+                                        "    return 0.0\n"
+                                        "import time\n"
+                                        "def hangs(completion, answer):\n    while completion:\n        try:\n"
+                                        "            time.sleep(100)\n        except Exception:\n            pass\n"
                                         "    return 0.0\n")
     base = [sys.executable, "-m", "minirl.grpo", "--steps", "1", "--rl.batch-per-replica", "8", "--rl.group-size", "4"]
     p = run([*base, "--task.reward", f"{tmp_path}/bad_rw.py:one_arg", "--log.run-dir", str(tmp_path / "a")])
@@ -174,3 +178,11 @@ def test_a_mis_signatured_reward_exits_2_before_the_engine_and_one_failing_later
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and last.startswith(f"minirl.grpo: error: --task.reward {tmp_path}/bad_rw.py:later "
                                                  "failed on the completion ") and "KeyError: 'k'" in last
+    # a call that never returns (and swallows every Exception): a line naming it, then exit 2 at the timeout
+    p = run([*base, "--task.reward", f"{tmp_path}/bad_rw.py:hangs", "--task.reward-timeout", "3",
+             "--log.run-dir", str(tmp_path / "c")])
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and f"warning: --task.reward {tmp_path}/bad_rw.py:hangs has not returned for 2 s, on " \
+                                 "the completion " in p.stdout, p.stdout[-2000:]
+    assert last.startswith(f"minirl.grpo: error: --task.reward {tmp_path}/bad_rw.py:hangs failed on the completion ")
+    assert "no return within --task.reward-timeout=3 s" in last and "Traceback" not in p.stderr

@@ -14,11 +14,12 @@ flags, as `--config` would; flags given beside it win. Prints a few prompts with
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from minirl.config import ConfigError, ModelConfig, RolloutConfig, TaskConfig
+from minirl.config import ModelConfig, RolloutConfig, TaskConfig
 
 
 @dataclass
@@ -50,9 +51,11 @@ def main(argv: list[str] | None = None) -> float:
     from minirl.tasks import held_out, make_task
     argv = list(sys.argv[1:] if argv is None else argv)
     args = launch.parse(EvalArgs, _with_run_config(argv), __doc__, lenient=True)
-    if args.checkpoint and not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"--checkpoint={args.checkpoint!r} is not a folder")
+    if args.checkpoint:
+        from minirl.tools.export import check_checkpoint
+        check_checkpoint(args.checkpoint, "--checkpoint")
     world = dist.init()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the temporary export is removed
     with tempfile.TemporaryDirectory(prefix="minirl-eval-") as tmp:
         if args.checkpoint:  # the engine loads a Hugging Face folder: export the checkpoint's policy first
             from minirl.tools.export import export

@@ -32,6 +32,25 @@ def run_model_config(ckpt: str) -> ModelConfig:
         return fill(ModelConfig(), json.load(f).get("model", {}), "model.")
 
 
+def check_checkpoint(ckpt: str, flag: str) -> None:
+    """`ckpt` is a training checkpoint folder, or one line says what it is instead (a run directory,
+    its final/ export, a missing folder); a partial one is refused when it loads (checkpoint.load_model)."""
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"{flag}={ckpt!r} is not a folder; give a checkpoint, <run dir>/checkpoints/step_N")
+    names = os.listdir(ckpt)
+    if "metrics.jsonl" in names or "checkpoints" in names:
+        steps = sorted(n for n in os.listdir(os.path.join(ckpt, "checkpoints")) if n.startswith("step_")
+                       and not n.endswith(".tmp")) if "checkpoints" in names else []
+        raise ConfigError(f"{flag}={ckpt!r} is a run directory; give one of its checkpoints ("
+                          + (f"the newest is {os.path.join(ckpt, 'checkpoints', steps[-1])}" if steps else "it has none")
+                          + (f"), or use its exported policy: --model.path {os.path.join(ckpt, 'final')}"
+                             if "final" in names else ")"))
+    if "loop_state.json" not in names and ".metadata" not in names:
+        raise ConfigError(f"{flag}={ckpt!r} is not a training checkpoint (no loop_state.json); give <run dir>/"
+                          "checkpoints/step_N" + (", or a Hugging Face folder as --model.path" if "config.json" in names
+                                                  else ""))
+
+
 def check_out(out: str, ckpt: str, overwrite: bool) -> None:
     """Export never deletes what it did not write: OUT is a new or empty folder, or (with
     --overwrite) an earlier export; never `/`, the current directory or one above it, the
@@ -87,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT (nothing else is "
                     "ever deleted)")
     a = ap.parse_args(argv)
-    check_out(a.out, a.checkpoint, a.overwrite)  # before anything is loaded
+    check_checkpoint(a.checkpoint, "CHECKPOINT")  # before anything is loaded
+    check_out(a.out, a.checkpoint, a.overwrite)
     print(f"exported {a.checkpoint} to {export(a.checkpoint, a.out, a.model_path)}")
 
 
