@@ -384,12 +384,14 @@ def barrier() -> None:
 
 
 def fault_due(name: str, step: int, onward: bool = False) -> bool:
-    """Tests inject faults by environment: MINIRL_FAULT=<name>:<step> (`onward`: that step and after)."""
-    got = os.environ.get("MINIRL_FAULT", "")
-    if not got.startswith(name + ":"):
-        return False
-    at = int(got.rsplit(":", 1)[1])
-    return step >= at if onward else step == at
+    """Tests inject faults by environment: MINIRL_FAULT=<name>:<step> (`onward`: that step and after),
+    or <name>:<first>-<last> for those steps only; several, separated by commas."""
+    for got in os.environ.get("MINIRL_FAULT", "").split(","):
+        if got.startswith(name + ":"):
+            first, _, last = got.rsplit(":", 1)[1].partition("-")
+            if int(first) <= step <= (int(last) if last else 1 << 62 if onward else int(first)):
+                return True
+    return False
 
 
 def fault(name: str, step: int) -> None:

@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 
 import torch
@@ -121,8 +122,9 @@ class Run:
 
     # ---- the step ----
     def baseline(self, evaluate, announce: str = "") -> None:
-        """The held-out score of the policy the run starts from, when one is due (`evaluate(version)`)."""
-        if self.args.log.evaluates(self.start, self.args.steps):
+        """The held-out score of the policy a fresh run starts from, when one is due (`evaluate(version)`).
+        A resumed run's was logged before its checkpoint was complete, with the step that made it."""
+        if not self.resume and self.args.log.evaluates(self.start, self.args.steps):
             with self.log.phase("eval", announce=announce):
                 scored = evaluate(self.start)
             if scored:
@@ -132,6 +134,8 @@ class Run:
         for step in range(self.start, self.args.steps):
             self._t0, self._in_step = time.perf_counter(), True
             self.log.begin_step()
+            if dist.fault_due("sigterm", step):  # tests: a scheduler's SIGTERM in the middle of this step
+                os.kill(os.getpid(), signal.SIGTERM)
             yield step
             if self.stopped:
                 return

@@ -62,6 +62,25 @@ def ready_for(args, path: str, resume: str | None = None):
     return Ready(args, path, tok, make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens), resume)
 
 
+def everything(run_dir) -> dict:
+    """All a run leaves that an interruption must not change: every logged metric but wall times and
+    memory, samples.jsonl, the final weights, and its newest checkpoint's loop state (the run's own
+    identity aside) and RNG state."""
+    import json
+
+    from safetensors.torch import load_file
+    from minirl import checkpoint
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s", "memory"))}  # noqa: E731
+    newest = checkpoint.find("auto", str(run_dir / "checkpoints"))
+    state = json.load(open(os.path.join(newest, "loop_state.json")))
+    return {"metrics": [strip(json.loads(line)) for line in open(run_dir / "metrics.jsonl")],
+            "samples": [json.loads(line) for line in open(run_dir / "samples.jsonl")],
+            "weights": {k: v.tolist() for k, v in load_file(run_dir / "final" / "model.safetensors").items()},
+            "checkpoint": os.path.basename(newest),
+            "loop_state": {k: v for k, v in state.items() if k not in ("run", "line", "run_dir")},
+            "rng": load_file(os.path.join(newest, "rng_rank0.safetensors"))["torch"].tolist()}
+
+
 def checkpoint_names(folder) -> list[str]:
     """The checkpoints (and interrupted saves) in a checkpoint folder, without the run's lock file."""
     return sorted(n for n in os.listdir(folder) if n != ".lock")
@@ -117,14 +136,15 @@ def toy_logprobs(model, ids):
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300, sig=None) -> tuple[int, str]:
-    """Start `cmd`, send it SIGTERM (or `sig`) once `metrics` (a metrics.jsonl) holds `records` lines
-    that have a step's reward, and return (exit code, its stdout and stderr together)."""
+def sigterm_after(cmd: list[str], metrics: str, records: int, timeout: int = 300, sig=None,
+                  env: dict | None = None) -> tuple[int, str]:
+    """Start `cmd` (with `env` added), send it SIGTERM (or `sig`) once `metrics` (a metrics.jsonl) holds
+    `records` lines that have a step's reward, and return (exit code, its stdout and stderr together)."""
     import signal
     import time
     sig = sig or signal.SIGTERM
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1"},
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + timeout
     while time.time() < deadline and (not os.path.exists(metrics) or

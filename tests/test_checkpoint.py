@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import checkpoint_names, run, sigterm_after
+from conftest import checkpoint_names, everything, run, sigterm_after
 from minirl import checkpoint, models, tasks
 
 
@@ -132,6 +132,46 @@ def test_resume_is_exact(straight, tmp_path):
     a, b = weights(straight), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(straight) == records(tmp_path)
+
+
+# mu 2 and two mini-batches (the ahead pass, the determinism probe), an eval every 3 steps, a save every 2,
+# and step 3's update non-finite (skipped and counted, as a NaN reward batch would make it)
+RICH = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--rl.mini-batch-per-replica", "8",
+        "--rl.mu-iterations", "2", "--log.eval-every", "3", "--task.eval-prompts", "16", "--rl.deterministic",
+        "--checkpoint.every", "2", "--steps", "6"]
+SKIP = "nan_rewards:3-3"
+
+
+def rich(run_dir, *flags):
+    return [sys.executable, "-m", "minirl.grpo", *RICH, "--log.run-dir", str(run_dir), *flags]
+
+
+@pytest.fixture(scope="module")
+def rich_straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rich_straight")
+    p = run(rich(d), env={"MINIRL_FAULT": SKIP})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return d
+
+
+@e2e
+@pytest.mark.parametrize("interrupt", ["SIGTERM", "kill -9 after a scheduled save"])
+def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_one(rich_straight, tmp_path, interrupt):
+    """Interrupted by a SIGTERM mid-run (an emergency save) or killed right after step 2's save (step 4
+    saves nothing: its update was skipped), then resumed: every logged metric (the optimizer-step and skip counts, the eval schedule), samples.jsonl,
+    the final weights and the last checkpoint's loop and RNG state are those of the run never stopped."""
+    if interrupt == "SIGTERM":  # in step 4, after the skip: its emergency save is step_5, off the schedule
+        p = run(rich(tmp_path), env={"MINIRL_FAULT": f"{SKIP},sigterm:4"})
+        assert p.returncode == 0 and "SIGTERM: saved" in p.stdout and "at step 5" in p.stdout, p.stdout[-2000:]
+    else:
+        p = run(rich(tmp_path), env={"MINIRL_FAULT": f"{SKIP},kill_before_prune:2"})
+        assert p.returncode == -signal.SIGKILL
+    p = run(rich(tmp_path, "--checkpoint.resume", "auto"), env={"MINIRL_FAULT": SKIP})
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-2000:]
+    straight = everything(rich_straight)
+    assert [r.get("skipped_nonfinite", 0) for r in straight["metrics"] if "reward_mean" in r] == [0, 0, 0, 4, 0, 0]
+    assert straight["loop_state"]["probe_done"] and straight["checkpoint"] == "step_00000006"
+    assert everything(tmp_path) == straight
 
 
 @e2e
@@ -467,3 +507,23 @@ def test_a_save_makes_its_data_durable_then_marks_renames_and_prunes_in_that_ord
     fresh = models.sharded(tiny_path, "policy", world, "float32")
     checkpoint.load_model(os.path.join(d, "step_00000004"), "policy", fresh)
     assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(policy.parameters(), fresh.parameters()))
+
+
+def test_an_export_holds_every_file_of_the_model_folder_in_the_dtype_asked(tmp_path, world, tiny_path):
+    """A model folder with a chat template file (`.jinja`) and a generation config: each is in the export,
+    byte for byte, and the weights are written in --model.dtype (read back from the file's own header)."""
+    import shutil
+
+    import minirl.run
+    src = tmp_path / "model"
+    shutil.copytree(tiny_path, src)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (src / "generation_config.json").write_text('{"do_sample": false}')
+    policy = models.sharded(str(src), "policy", world, "float32")
+    minirl.run.export_hf(policy, str(src), str(tmp_path / "out"), True, torch.bfloat16)
+    kept = {f for f in os.listdir(src) if not f.endswith(".safetensors")}
+    assert {"chat_template.jinja", "generation_config.json"} <= kept <= set(os.listdir(tmp_path / "out"))
+    assert all((tmp_path / "out" / f).read_bytes() == (src / f).read_bytes() for f in kept)
+    with open(tmp_path / "out" / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {t["dtype"] for k, t in header.items() if k != "__metadata__"} == {"BF16"}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import checkpoint_names, ready_for, run, sigterm_after
+from conftest import checkpoint_names, everything, ready_for, run, sigterm_after
 from minirl.config_ppo import PPOArgs
 
 def e2e(test):
@@ -335,7 +335,8 @@ def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
 
 
 COLOCATED = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8",
-             "--ppo.ppo-epochs", "2", "--ppo.critic-ppo-epochs", "2", "--checkpoint.every", "1", "--steps", "3"]
+             "--ppo.ppo-epochs", "2", "--ppo.critic-ppo-epochs", "2", "--checkpoint.every", "1", "--steps", "3",
+             "--log.eval-every", "2", "--task.eval-prompts", "16"]
 
 
 def strip(r):
@@ -368,19 +369,24 @@ def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(colocated_s
 
 
 @e2e
-@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save"])
+@pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save", "sigterm"])
 def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocated_straight, tmp_path, point):
     """kill -9 while step 2's checkpoint is written (a data file cut short; the data complete, no
-    marker): the resume takes step 1's, and the run ends exactly as the uninterrupted one."""
+    marker), or a SIGTERM in step 1 (its emergency save): the resume takes step 1's, and the run ends
+    exactly as the uninterrupted one: every metric (the eval schedule after the resume among them),
+    samples.jsonl, the final weights, the last checkpoint's loop and RNG state."""
     import signal
-    p = ppo(1, tmp_path, *COLOCATED, env={"MINIRL_FAULT": f"{point}:2"})
-    assert p.returncode == -signal.SIGKILL
-    assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002.tmp"]
+    p = ppo(1, tmp_path, *COLOCATED, env={"MINIRL_FAULT": f"{point}:{1 if point == 'sigterm' else 2}"})
+    if point == "sigterm":
+        assert p.returncode == 0 and "SIGTERM: saved" in p.stdout
+        assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002"]
+    else:
+        assert p.returncode == -signal.SIGKILL
+        assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000001", "step_00000002.tmp"]
     p = ppo(1, tmp_path, *COLOCATED, "--checkpoint.resume", "auto")
-    assert p.returncode == 0 and "step_00000001" in p.stdout
+    assert p.returncode == 0 and f"step_0000000{2 if point == 'sigterm' else 1}" in p.stdout
     assert [strip(r) for r in steps_logged(colocated_straight)] == [strip(r) for r in steps_logged(tmp_path)]
-    wa, wb = final_weights(colocated_straight), final_weights(tmp_path)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert everything(tmp_path) == everything(colocated_straight)
 
 
 @e2e

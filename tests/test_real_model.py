@@ -89,6 +89,9 @@ def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smo
     assert "padding-free training: on" in p.stdout, p.stdout[-2000:]
     rec = [r for r in map(json.loads, open(d / "metrics.jsonl")) if "reward_mean" in r]
     assert len(rec) == 1 and rec[0]["optimizer_steps"] == 1 and rec[0]["logprob_gap"] < 2e-3
+    source = {f for f in os.listdir(smollm2_path) if not f.endswith(".safetensors") and f != "README.md"}
+    assert "chat_template.jinja" in source and source <= set(os.listdir(d / "final"))  # every file the model needs
+    assert all((d / "final" / f).read_bytes() == open(os.path.join(smollm2_path, f), "rb").read() for f in source)
     from transformers import AutoModelForCausalLM
     back = AutoModelForCausalLM.from_pretrained(d / "final", dtype=torch.float32)
     base = models.load_policy(smollm2_path)
