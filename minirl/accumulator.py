@@ -160,11 +160,12 @@ def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def roll_up(calls: list[dict]) -> dict:
     """Combine per-call metrics into one record of floats (B13).
 
-    Keys ending in a COUNTS suffix are summed; `*_max` keys take the max; every other key of a
-    `<prefix>_*` family is weighted by that family's divisor `<prefix>_denom`:
-    sum(x_i * denom_i) / sum(denom_i), which telescopes back to the whole batch's value. Keys
-    without a divisor in their family (or whose divisors sum to 0) are averaged over the calls that
-    report them. Values may be numbers or 0-dim device tensors (the objective's): the tensors are
+    Keys ending in a COUNTS suffix are summed; `*_max` keys take the max; a family's `<prefix>_loss`
+    is weighted by its divisor `<prefix>_denom`, its other keys (per-token rates: the clip fraction,
+    KL, entropy) by its `<prefix>_tokens` where it counts them, else by the divisor:
+    sum(x_i * w_i) / sum(w_i), which telescopes back to the whole batch's value (under a seq-mean
+    loss the divisor counts sequences, so a token rate weighted by it would not). Keys without a
+    weight in their family (or whose weights sum to 0) are averaged over the calls that report them. Values may be numbers or 0-dim device tensors (the objective's): the tensors are
     combined on their device and read back in one transfer, the step's one read of its metrics.
     """
     keys = sorted({k for c in calls for k in c})
@@ -183,9 +184,11 @@ def roll_up(calls: list[dict]) -> dict:
         elif k.endswith(MAXIMA):
             out[k] = v.max()
         else:
-            denom_key = k.split("_", 1)[0] + "_denom"
-            if all(denom_key in c for c in with_k):
-                w = torch.stack([as_t(c[denom_key]) for c in with_k])
+            family = k.split("_", 1)[0]  # the loss by its divisor; a per-token rate by its tokens
+            weights = [f"{family}_denom"] if k.endswith("_loss") else [f"{family}_tokens", f"{family}_denom"]
+            weight = next((w for w in weights if all(w in c for c in with_k)), None)
+            if weight is not None:
+                w = torch.stack([as_t(c[weight]) for c in with_k])
                 total = w.sum()
                 out[k] = torch.where(total > 0, (v * w).sum() / total.clamp_min(1e-300), v.mean())
             else:

@@ -220,3 +220,50 @@ def test_a_poisoned_window_leaves_no_fsdp_root_parameter_gathered(tiny_path, wor
     assert acc.backward(logp.sum(), 1.0) == {"skipped_nonfinite": 1.0}
     assert [n for n, p in policy.named_parameters() if not isinstance(p, DTensor)] == []
     assert all(p.grad is None for p in policy.parameters()) and acc.steps == 0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_every_rolled_up_metric_of_a_family_is_the_whole_batchs_value(world, agg):
+    """B13 for the whole family, not only the loss: chunks of very unequal token counts, rolled up, give
+    the whole batch's loss (weighted by the divisor), its per-token rates (clip fraction, KL, entropy:
+    weighted by tokens, which under a seq-mean mode is not the divisor), its counts (summed) and max."""
+    from minirl.objective import policy_loss
+    g = torch.Generator().manual_seed(3)
+    ids, mask, adv, old = make_batch(6)
+    logp, ref, ent = (old + 0.3 * torch.randn(old.shape, generator=g) for _ in range(3))
+    def metrics(s):
+        return policy_loss(logp[s], old[s], adv[s], mask[s], clip_eps=0.2, ref_logp=ref[s], kl_coef=0.1,
+                           entropy=ent[s].abs(), agg=agg, norm_len=14)[2]
+    whole = metrics(slice(0, 12))
+    calls = [metrics(s) for s in (slice(0, 2), slice(2, 5), slice(5, 12))]
+    rolled = roll_up(calls)
+    assert set(rolled) == set(whole) and {"grpo_kl", "grpo_entropy", "grpo_clipfrac"} <= set(whole)
+    for k, v in whole.items():
+        assert abs(rolled[k] - float(v)) < 1e-6 * max(1.0, abs(float(v))), (agg, k, rolled[k], float(v))
+
+
+def test_each_optimizer_step_runs_at_its_scheduled_rate_and_a_skipped_window_takes_none(world):
+    """S8: the rate the optimizer reads inside `step()`, not the one left after it: a warmup schedule by
+    optimizer step, each step at lr(k); a poisoned window takes no step and no rate, so the next step
+    is still step k, at lr(k)."""
+    from minirl.accumulator import lr_schedule
+
+    class Seen(torch.optim.SGD):
+        def step(self, closure=None):
+            self.rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    model = toy_lm(V)
+    opt = Seen(model.parameters(), lr=99.0)
+    opt.rates = []
+    schedule = lr_schedule(0.1, warmup=4, total=10)
+    acc = Accumulator(model, opt, n_micro=2, schedule=schedule)
+    ids, mask, adv, old = make_batch(1)
+    for window in range(4):
+        for half in (slice(0, 6), slice(6, 12)):
+            loss, div, _ = loss_of(model, ids[half], mask[half], adv[half], old[half])
+            if window == 1 and half.start == 6:
+                loss = loss * float("nan")  # the second window is poisoned
+            acc.backward(loss, div)
+    assert opt.rates == [schedule(0), schedule(1), schedule(2)] and acc.steps == 3 and acc.skipped == 1
+    assert len(set(opt.rates)) == 3  # warmup: the three rates differ, so a rate read late would show

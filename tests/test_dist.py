@@ -191,3 +191,12 @@ def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does(world):
     assert e.value.code == 128 + signal.SIGTERM
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.dist
+def test_per_rank_decisions_are_the_meshs_where_a_ranks_own_data_would_decide_otherwise():
+    """X1 (the token-budget micro-batch count) and B19 (the determinism probe's verdict) on two ranks whose
+    data differ: each rank alone would decide otherwise; both decide as the mesh does."""
+    p = torchrun("tests/dist/per_rank_decisions.py")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("X1 micro-batches 3") == 2 and p.stdout.count("B19 mesh-wide verdicts OK") == 2
