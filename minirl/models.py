@@ -172,7 +172,6 @@ def load_value(path: str) -> ValueModel:
 def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
     """The models of `kinds` ("policy", "value") built on the meta device from the folder's config: their
     parameters' names and shapes, without a byte of weights (what a checkpoint is checked against)."""
-    _quiet_loading()
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
     build = {"policy": lambda: AutoModelForCausalLM.from_config(config),

@@ -72,3 +72,25 @@ def test_group_advantages_per_group_with_zero_std_guard():
         torch.testing.assert_close(adv[gi * 4:(gi + 1) * 4], exp)
     assert (adv[4:8] == 0).all() and torch.isfinite(adv).all()
     torch.testing.assert_close(group_advantages(r, 4, scale_by_std=False)[:4], torch.tensor([0.5, -0.5, 0.5, -0.5]))
+
+
+def test_whitening_of_one_or_two_valid_entries():
+    """One valid entry has no spread: it is centred only, to 0. Two (5 and 9: centred to -2 and +2) are
+    whitened to -1 and +1."""
+    x = torch.tensor([[5.0, 9.0, 11.0]], dtype=torch.float64)
+    one = masked_whiten(x, torch.tensor([[0.0, 1.0, 0.0]]))
+    assert torch.equal(one, torch.zeros_like(x))
+    two = masked_whiten(x, torch.tensor([[1.0, 1.0, 0.0]]))
+    torch.testing.assert_close(two, torch.tensor([[-1.0, 1.0, 0.0]], dtype=torch.float64))
+
+
+def test_group_advantages_scale_by_std_by_default_at_any_group_size():
+    """The GRPO paper's advantage, (r - mean) / std, unless told otherwise; a group of two is scaled as
+    any other; a spread below eps counts as none (0, not a huge ratio of two tiny numbers)."""
+    r = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    torch.testing.assert_close(group_advantages(r, 4), group_advantages(r, 4, scale_by_std=True))
+    assert not torch.equal(group_advantages(r, 4), group_advantages(r, 4, scale_by_std=False))
+    s = 2 ** -0.5  # the unbiased std of a pair {0, 1}
+    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.0]), 2), torch.tensor([0.5 / s, -0.5 / s]))
+    tiny = group_advantages(torch.tensor([1.0, 1.0 + 1e-7, 0.0, 1.0]), 2)
+    assert torch.equal(tiny[:2], torch.zeros(2)) and tiny[2] < 0 < tiny[3]

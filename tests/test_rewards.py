@@ -318,7 +318,7 @@ def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_th
     s = Scorer([f"{tmp_path}/slow_rw.py:stuck"], [], timeout=1.0)
     s.say = said.append
     t0 = time.monotonic()
-    with pytest.raises(rewards.RewardTimeout, match=rf"slow_rw.py:stuck failed on the completion '7': no return "
+    with pytest.raises(rewards.RewardTimeout, match=r"slow_rw.py:stuck failed on the completion '7': no return "
                                                     r"within --task.reward-timeout=1 s") as e:
         s(["3", "7"], ["3", "3"], [False, False])
     assert e.value.code == 2 and time.monotonic() - t0 < 5

@@ -24,7 +24,7 @@ def run_config_path(ckpt: str) -> str:
 
 def run_model_config(ckpt: str) -> ModelConfig:
     """The model a checkpoint was trained from, by its run's config.json."""
-    from minirl.launch import fill
+    from minirl.flags import fill
     run_config = run_config_path(ckpt)
     if not os.path.isfile(run_config):
         raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model.path")

@@ -1,0 +1,151 @@
+"""Mutation testing of minirl's pure modules: plant one small bug at a time and see whether the module's
+unit tests catch it.
+
+    .venv/bin/python bench/mutate.py                      # every module below, 2 workers
+    .venv/bin/python bench/mutate.py gae sampler --jobs 1 # some of them
+
+Each mutant changes one site of the module's syntax tree: a comparison (< to <=, == to !=, in to not
+in, ...), an arithmetic operator (+ to -, * to /, ...), `and` to `or`, a `not` dropped, a unary minus
+dropped, a number moved by one (0 to 1, 1 to 2, 0.5 to 1.5), True to False. It is written over the
+module in a copy of the repository (the working tree is never touched) and the module's tests run
+there, fast ones only (`-m "not slow and not vllm and not dist"`), stopping at the first failure. A
+mutant is killed when a test fails or runs past the time limit; it survives when they all pass. The
+survivors are printed as `module.py:line: original -> mutant`, and listed with a reason each in
+docs/invariants.md ("Mutation testing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = {  # module -> the unit tests that guard it
+    "gae": ["tests/test_gae.py"],
+    "objective": ["tests/test_objective.py"],
+    "accumulator": ["tests/test_accumulator.py"],
+    "sampler": ["tests/test_sampler.py"],
+    "rewards": ["tests/test_rewards.py"],
+    "batch": ["tests/test_batch.py", "tests/test_packing.py"],
+}
+SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
+         ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+         ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
+         ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.And: ast.Or, ast.Or: ast.And}
+
+
+def sites(tree: ast.AST) -> list[tuple[int, str]]:
+    """(node index in ast.walk order, what the mutation does) for every site of `tree`."""
+    out = []
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef,
+                  ast.ClassDef, ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+    for i, n in enumerate(ast.walk(tree)):
+        if isinstance(n, ast.Compare):
+            out += [(i, f"op{j}") for j, op in enumerate(n.ops) if type(op) in SWAPS]
+        elif isinstance(n, (ast.BinOp, ast.BoolOp)) and type(n.op) in SWAPS:
+            out.append((i, "op"))
+        elif isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.Not, ast.USub)):
+            out.append((i, "drop"))
+        elif isinstance(n, ast.Constant) and id(n) not in docstrings and (
+                isinstance(n.value, bool) or isinstance(n.value, (int, float)) and not isinstance(n.value, bool)):
+            out.append((i, "const"))
+    return out
+
+
+def mutate(tree: ast.AST, index: int, how: str) -> tuple[ast.AST, int, str]:
+    """A copy of `tree` with site (index, how) mutated; returns it, the site's line and a description."""
+    tree = copy.deepcopy(tree)
+    node = list(ast.walk(tree))[index]
+    line, before = node.lineno, ast.unparse(node)
+    if how.startswith("op") and isinstance(node, ast.Compare):
+        j = int(how[2:])
+        node.ops[j] = SWAPS[type(node.ops[j])]()
+    elif how == "op":
+        node.op = SWAPS[type(node.op)]()
+    elif how == "drop":
+        replacement = node.operand
+        for parent in ast.walk(tree):
+            for field, value in ast.iter_fields(parent):
+                if value is node:
+                    setattr(parent, field, replacement)
+                elif isinstance(value, list):
+                    value[:] = [replacement if v is node else v for v in value]
+        return tree, line, f"{before} -> {ast.unparse(replacement)}"
+    else:
+        v = node.value
+        node.value = (not v) if isinstance(v, bool) else v + 1
+    return tree, line, f"{before} -> {ast.unparse(node)}"
+
+
+def run_tests(workdir: str, tests: list[str], timeout: float) -> tuple[bool, float]:
+    """(passed, seconds) for `tests` in `workdir`."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m",
+                            "not slow and not vllm and not dist", *tests], cwd=workdir, capture_output=True,
+                           timeout=timeout, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        return p.returncode == 0, time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        return False, time.perf_counter() - t0
+
+
+def copy_repo() -> str:
+    d = tempfile.mkdtemp(prefix="minirl-mutate-")
+    for name in ("minirl", "tests", "pyproject.toml"):
+        src = os.path.join(ROOT, name)
+        (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, os.path.join(d, name))
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("modules", nargs="*", default=list(TESTS), help=f"of {', '.join(TESTS)}")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
+    a = ap.parse_args()
+    workers = [copy_repo() for _ in range(a.jobs)]
+    free = list(workers)
+    survivors, total = [], 0
+    try:
+        for module in a.modules:
+            path = f"minirl/{module}.py"
+            source = open(os.path.join(ROOT, path)).read()
+            tree = ast.parse(source)
+            ok, base = run_tests(workers[0], TESTS[module], 600)
+            if not ok:
+                sys.exit(f"{path}: its tests fail unmutated; fix them first")
+            mutants = [mutate(tree, i, how) for i, how in sites(tree)]
+            print(f"{path}: {len(mutants)} mutants; its tests take {base:.1f} s", flush=True)
+
+            def one(m):
+                workdir = free.pop()
+                try:
+                    with open(os.path.join(workdir, path), "w") as f:
+                        f.write(ast.unparse(m[0]))
+                    return m, run_tests(workdir, TESTS[module], 3 * base + 10)[0]
+                finally:
+                    with open(os.path.join(workdir, path), "w") as f:
+                        f.write(source)
+                    free.append(workdir)
+
+            with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+                for (tree_m, line, what), passed in pool.map(one, mutants):
+                    if passed:
+                        survivors.append(f"{module}.py:{line}: {what}")
+                        print(f"  survived: {survivors[-1]}", flush=True)
+            total += len(mutants)
+    finally:
+        for w in workers:
+            shutil.rmtree(w, ignore_errors=True)
+    print(f"{total - len(survivors)} of {total} mutants killed; {len(survivors)} survived")
+
+
+if __name__ == "__main__":
+    main()

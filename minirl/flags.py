@@ -1,0 +1,221 @@
+"""A command's flags: tyro's for its dataclass, with `--config FILE` beneath them.
+
+- `parse(cls, argv, description)`: tyro's flags for the dataclass `cls`. `--config FILE` (YAML or
+  JSON, nested like the flags: `{"rl": {"lr": 1e-5}}`) gives the defaults and the flags beside it
+  win, so a run's own config.json reruns that run and `--config run/config.json --steps 800`
+  continues the same recipe for longer. A key the dataclass does not have, or a value its flag would
+  refuse, is an error naming it (`fill`), with minirl's name for a TRL or verl one (`elsewhere`). A
+  file never sets the run's own switches (`--log.run-dir`, `--log.overwrite`, `--checkpoint.resume`,
+  `--checkpoint.dir`): rerunning another run's config.json must not write into, resume or wipe that
+  run. YAML aliases, nesting deeper than 32, a key given twice and files over 64 KiB are refused
+  before anything is expanded (`_read`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import typing
+
+import tyro
+import yaml
+
+from minirl.config import ConfigError
+
+MAX_CONFIG_BYTES = 64 << 10  # a recipe is a few KiB; PyYAML takes seconds per 100 KiB of a long list
+MAX_CONFIG_DEPTH = 32
+# Switches that belong to one run: a config file (often another run's config.json) never carries them
+# into this one; only the command line sets them.
+PER_RUN = {"log.run_dir", "log.overwrite", "checkpoint.resume", "checkpoint.dir"}
+
+
+def _read(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config={path!r} is not a file")
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"--config={path!r} is over {MAX_CONFIG_BYTES >> 10} KiB; a config file holds flags")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    try:
+        if path.endswith((".yaml", ".yml")):
+            # Aliases are refused before anything is built: nested ones expand exponentially (a 351-byte
+            # "billion laughs" file never finishes), and flags have no use for them. Deep flow nesting is
+            # refused first, by a linear count: PyYAML's scanner slows with the depth (600 KB took minutes).
+            depth = deepest = 0
+            for ch in text:
+                depth += (ch in "[{") - (ch in "]}")
+                deepest = max(deepest, depth)
+            if deepest > MAX_CONFIG_DEPTH:
+                raise ConfigError(f"--config={path!r} nests [ or {{ more than {MAX_CONFIG_DEPTH} deep; flags "
+                                  "nest a few levels")
+            if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(text)):
+                raise ConfigError(f"--config={path!r}: YAML aliases (*name) are not supported; write the values out")
+            data = yaml.load(text, Loader=_Unique)  # plain data only (SafeLoader): never constructs objects
+        else:
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique(dict(pairs), [k for k, _ in pairs]))
+    except ConfigError:
+        raise
+    except _Twice as e:
+        raise ConfigError(f"--config={path!r}: {e}") from None
+    except Exception as e:
+        raise ConfigError(f"--config={path!r}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config={path!r}: expected a mapping of flags, got a {type(data).__name__}")
+    return data
+
+
+class _Twice(ValueError):
+    """A key given twice in one mapping of a config file (YAML and JSON readers keep the last, silently)."""
+
+
+def _unique(mapping: dict, keys: list) -> dict:
+    if len(mapping) != len(keys):
+        raise _Twice(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is given twice; give it once")
+    return mapping
+
+
+class _Unique(yaml.SafeLoader):
+    """PyYAML's safe loader (plain data only), refusing a key given twice."""
+
+    def construct_mapping(self, node, deep=False):
+        return _unique(super().construct_mapping(node, deep), [self.construct_object(k) for k, _ in node.value])
+
+
+# TRL's and verl's names for a setting (the last part of a dotted name, `_` for `-`) -> minirl's flag;
+# "{opt}" is the loop's optimizer group. The whole table, with each library's full names: docs/flags.md.
+ELSEWHERE = {
+    "learning_rate": "--{opt}.lr", "beta": "--{opt}.kl-coef", "kl_loss_coef": "--{opt}.kl-coef",
+    "kl_loss_type": "--{opt}.kl-estimator", "kl_penalty": "--{opt}.kl-estimator", "epsilon": "--{opt}.clip-eps",
+    "clip_ratio": "--{opt}.clip-eps", "epsilon_high": "--{opt}.clip-eps-high", "clip_ratio_high": "--{opt}.clip-eps-high",
+    "clip_ratio_c": "--{opt}.dual-clip", "entropy_coeff": "--{opt}.entropy-coef", "loss_type": "--{opt}.loss-agg-mode",
+    "loss_agg_mode": "--{opt}.loss-agg-mode", "warmup_steps": "--{opt}.lr-warmup-steps",
+    "lr_scheduler_type": "--{opt}.lr-schedule", "max_grad_norm": "--{opt}.max-grad-norm", "grad_clip": "--{opt}.max-grad-norm",
+    "num_generations": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
+    "n": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
+    "num_iterations": {"grpo": "--rl.mu-iterations", "ppo": "--ppo.ppo-epochs"},
+    "max_steps": "--steps", "total_training_steps": "--steps", "max_completion_length": "--rollout.max-tokens",
+    "max_response_length": "--rollout.max-tokens", "max_prompt_length": "--rollout.max-prompt-tokens",
+    "output_dir": "--log.run-dir", "save_steps": "--checkpoint.every", "save_freq": "--checkpoint.every",
+    "save_total_limit": "--checkpoint.keep", "eval_steps": "--log.eval-every", "test_freq": "--log.eval-every",
+    "reward_funcs": "--task.reward", "model_name_or_path": "--model.path", "train_files": "--task.path",
+    "val_files": "--task.eval-path"}
+
+
+def elsewhere(name: str, loop: str) -> str:
+    """A hint for a flag or config key minirl does not have but TRL or verl does ('' if none)."""
+    hint = ELSEWHERE.get(name.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_"))
+    if isinstance(hint, dict):
+        hint = hint.get(loop, "")
+    return f"; did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')} (TRL's and verl's names: " \
+           "docs/flags.md)?" if hint else ""
+
+
+def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", loop: str = ""):
+    """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
+    against its field's type as the flag's parser would (`_typed`). A key is the flag's name with `-`
+    or `_` (one spelling per flag). `lenient`: skip what this command does not have (another command's
+    run config), instead of refusing it. `skip`: flags never taken from a file (`log.run_dir`, ...).
+    `loop`: the command's loop, for the hint that names minirl's flag for a TRL or verl key."""
+    fields = {f.name: f for f in dataclasses.fields(instance)}
+    types = typing.get_type_hints(type(instance))
+    seen: dict[str, str] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in seen:
+            raise ConfigError(f"--config: {where}{key} is given twice (also as {where}{seen[name]})")
+        seen[name] = key
+        if path + name in skip:
+            continue
+        current = getattr(instance, name, None)
+        if name not in fields or (lenient and isinstance(value, dict) != dataclasses.is_dataclass(current)):
+            if lenient:
+                continue
+            nest = f"; keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}" if "." in key else ""
+            raise ConfigError(f"--config: {where}{key} is not a flag of this command (see --help){nest}"
+                              f"{elsewhere(key, loop)}")
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config: {where}{key} must be a mapping")
+            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", loop)
+        else:
+            setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
+    return instance
+
+
+def _typed(value, tp, where: str):
+    """`value` as a flag of type `tp` would take it, or a ConfigError naming the key. Numbers may be
+    written as YAML 1.1 reads them as strings (`1e-4`); a bool is never taken for a number."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        return _typed(value, next(a for a in args if a is not type(None)), where)
+    wrong = ConfigError(f"--config: {where}={value!r} is not {_kind(tp)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise wrong
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise wrong
+        return origin(_typed(v, args[0], where) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp in (int, float):
+        if isinstance(value, str):
+            try:
+                value = int(value) if tp is int else float(value)
+            except ValueError:
+                raise wrong from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (tp is int and not isinstance(value, int)):
+            raise wrong
+        return tp(value)
+    if tp is str and not isinstance(value, str):
+        raise wrong
+    return value
+
+
+def _flags(cls, prefix: str = "") -> set[str]:
+    """Every flag name of the dataclass `cls` (dashed, dotted for nested ones; `no-` forms left out)."""
+    names = set()
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name.replace("_", "-")
+        tp = typing.get_type_hints(cls)[f.name]
+        names |= _flags(tp, name + ".") if dataclasses.is_dataclass(tp) else {name}
+    return names
+
+
+def _kind(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag, why in getattr(cls, "REFUSED", {}).items():  # flags the command has retired or never had
+        if any(a.startswith(flag) for a in argv):
+            raise ConfigError(why)
+    known = _flags(cls)
+    for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
+        unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
+        hint = elsewhere(a, getattr(cls, "LOOP", "")) if unknown else ""
+        if hint:
+            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{hint}")
+    default = cls()
+    for i, a in enumerate(argv):
+        if a == "--config" or a.startswith("--config="):
+            path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
+            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN}, loop=getattr(cls, "LOOP", ""))
+            default.config = path
+            break
+    return tyro.cli(cls, args=argv, default=default, description=description)
