@@ -195,8 +195,10 @@ def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does(world):
 
 @pytest.mark.dist
 def test_per_rank_decisions_are_the_meshs_where_a_ranks_own_data_would_decide_otherwise():
-    """X1 (the token-budget micro-batch count) and B19 (the determinism probe's verdict) on two ranks whose
-    data differ: each rank alone would decide otherwise; both decide as the mesh does."""
+    """X1 (the token-budget micro-batch count), B19 (the determinism probe's verdict), B12 (a poisoned
+    window) and the SIGTERM check, on two ranks whose data differ: each rank alone would decide
+    otherwise; both decide as the mesh does."""
     p = torchrun("tests/dist/per_rank_decisions.py")
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("X1 micro-batches 3") == 2 and p.stdout.count("B19 mesh-wide verdicts OK") == 2
+    assert p.stdout.count("skipped on both") == 2 and p.stdout.count("both stop") == 2

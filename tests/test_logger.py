@@ -143,3 +143,14 @@ def test_a_full_disk_under_the_history_is_one_line_naming_the_file():
     with pytest.raises(ConfigError, match=r"writing /dev/full failed: \[Errno 28\] No space left on device; free "):
         logger._append(log._file, ['{"step": 0}\n'])
     log.close()  # the line above is the error: closing the file (which flushes again) adds none
+
+
+def test_samples_are_on_disk_as_each_step_writes_them_not_at_close(tmp_path):
+    """A reader (or a crash) mid-run sees every eval's and training step's samples so far."""
+    log = RunLog(str(tmp_path), enabled=True)
+    row = {"prompt": "q", "completion": "1", "answer": "1", "reward": 1.0, "clipped": False}
+    log.write({"step": 0, "reward_mean": 1.0, "train_samples": [row]})
+    log.write({"step": 1, "reward_mean": 1.0, "eval_accuracy": 1.0, "eval_version": 2, "eval_samples": [row]})
+    lines = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]  # the log is still open
+    assert [(r["step"], r.get("split"), r.get("eval_version")) for r in lines] == [(0, "train", None), (1, None, 2)]
+    log.close()

@@ -150,3 +150,22 @@ def test_clip_higher_and_dual_clip_follow_the_formula(low, high, c):
     assert torch.allclose(loss, (ref * mask).sum() / mask.sum(), atol=1e-6)
     if c:  # the dual clip really binds on these ratios
         assert not torch.allclose(ref, reference_pg(torch.exp(logp - old), adv, low, high or low, 0.0))
+
+
+def test_logprob_gap_is_the_mean_absolute_difference_over_the_masked_tokens():
+    from minirl.objective import logprob_gap
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
+    engine = torch.tensor([[-1.5, -2.0, -1.0], [-0.25, -0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert logprob_gap(trainer, engine, mask).item() == (0.5 + 0.0 + 0.25 + 0.0) / 4
+    assert logprob_gap(trainer, engine, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_without_a_kl_coefficient_the_reference_changes_nothing_and_no_kl_is_reported():
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref = (torch.randn(3, 5, generator=g) for _ in range(3))
+    adv, mask = torch.randn(3, generator=g), torch.ones(3, 5)
+    plain = policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    with_ref = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.0)
+    assert torch.equal(plain[0], with_ref[0]) and "grpo_kl" not in with_ref[2]
+    assert "grpo_kl" in policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1)[2]

@@ -141,3 +141,28 @@ def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypat
     path = build_tiny(shape)
     assert path.startswith(str(tmp_path / "cache")) and build_tiny(shape) == path
     assert load_policy(path).config.hidden_size == 64 and load_tokenizer(path)("ab#a=").input_ids
+
+
+def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_and_weights(tiny_path, tmp_path,
+                                                                                          monkeypatch):
+    """Several weighted rewards: eval_accuracy is the first function's own held-out mean (the strict
+    scorer), never the weighted sum nor another function's; each row's `reward` is the sum."""
+    from types import SimpleNamespace
+
+    from minirl.models import load_tokenizer
+    from minirl.rewards import Scorer
+    from minirl.tasks import held_out
+    (tmp_path / "always.py").write_text("def one(completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    tok = load_tokenizer(tiny_path)
+    task = make_task(TaskConfig(eval_prompts=8), 0, tok, 32)
+    task.scorer = Scorer(["minirl.rewards:count", "always.py:one"], [1.0, 0.5])
+
+    class Engine:  # the right count for the first three prompts, a wrong one for the rest
+        def generate(self, prompts, ids, group_size, greedy=False):
+            texts = [p.answer if i < 3 else "99" for i, p in enumerate(task.eval_set)]
+            return SimpleNamespace(completion_tokens=[tok(t, add_special_tokens=False).input_ids for t in texts],
+                                   clipped=[False] * len(texts))
+    out = held_out(Engine(), task, tok, 32)
+    assert out["eval_accuracy"] == 3 / 8
+    assert [r["reward"] for r in out["eval_samples"]] == [1.5] * 3 + [0.5] * 5

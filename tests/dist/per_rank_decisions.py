@@ -2,13 +2,17 @@
 mesh must decide together. (1) X1: the token-budget micro-batch count is the mesh's largest, so every
 rank runs the same number of forward/backward calls. (2) B19: the determinism probe's verdict is the
 mesh-wide fraction of moved tokens, the same on every rank (one rank raising alone would leave the
-other waiting in the next collective). Run by tests/test_dist.py."""
+other waiting in the next collective). (3) B12: a window poisoned on one rank is skipped on both.
+(4) A SIGTERM that reached one rank stops both at the step boundary. Run by tests/test_dist.py."""
 
+import os
+import signal
 from types import SimpleNamespace
 
 import torch
 
 from minirl import dist, grpo
+from minirl.accumulator import Accumulator
 from minirl.batch import plan_chunks
 
 world = dist.init()
@@ -52,4 +56,19 @@ assert not raised and abs(fraction - 0.2) < 1e-12, (r, raised, fraction)
 raised, fraction = verdict(10 if r == 0 else 0)  # rank 1 alone: 0%; the mesh: 50% > 30%
 assert raised and abs(fraction - 0.5) < 1e-12, (r, raised, fraction)
 print(f"rank {r}: B19 mesh-wide verdicts OK", flush=True)
+
+# ---- (3) B12: a window poisoned on rank 0 only is dropped on both ranks (no rank steps alone) ----
+model = torch.nn.Linear(3, 1)
+acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), n_micro=1)
+loss = model(torch.ones(1, 3)).sum() * (float("nan") if r == 0 else 1.0)
+out = acc.backward(loss, torch.tensor(1.0))
+assert acc.steps == 0 and acc.skipped == 1 and out == {"skipped_nonfinite": 1.0}, (r, out)
+print(f"rank {r}: B12 poisoned on one rank, skipped on both", flush=True)
+
+# ---- (4) a SIGTERM that reached rank 1 only: both ranks save and stop at the step boundary ----
+stop = dist.sigterm_flag()
+if r == 1:
+    os.kill(os.getpid(), signal.SIGTERM)
+assert stop() and stop.name == "SIGTERM", r
+print(f"rank {r}: SIGTERM on one rank, both stop", flush=True)
 dist.shutdown()
