@@ -267,3 +267,66 @@ def test_each_optimizer_step_runs_at_its_scheduled_rate_and_a_skipped_window_tak
             acc.backward(loss, div)
     assert opt.rates == [schedule(0), schedule(1), schedule(2)] and acc.steps == 3 and acc.skipped == 1
     assert len(set(opt.rates)) == 3  # warmup: the three rates differ, so a rate read late would show
+
+
+def test_a_window_whose_loss_is_finite_but_whose_gradient_is_not_takes_no_step(world):
+    """B12's other half: sqrt(|w|) at w = 0 is a finite loss with a non-finite gradient; the window is
+    dropped (the parameters untouched, the skip counted with the norm), as a non-finite loss's is."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.0, 1.0]]))
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), n_micro=1)
+    out = acc.backward(model.weight.abs().sqrt().sum(), 1.0)
+    assert out["skipped_nonfinite"] == 1.0 and not math.isfinite(out["grad_norm"]) and len(out) == 2
+    assert acc.steps == 0 and acc.skipped == 1
+    assert torch.equal(model.weight, torch.tensor([[0.0, 1.0]]))
+
+
+def test_the_default_window_does_not_clip_and_times_only_its_steps(world):
+    """No --rl.max-grad-norm, no clip: a gradient of norm 50 steps whole. The profile's timer counts the
+    optimizer steps taken after it was made, in seconds of this process."""
+    import time
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0), n_micro=1)
+    acc.backward((50.0 * model.weight).sum(), 1.0)  # d/dw = 50
+    assert model.weight.item() == 1.0 - 50.0
+    timer, t0 = acc.timer(), time.perf_counter()
+    assert timer() == {"optimizer_s": 0.0}
+    acc.backward((model.weight * 1.0).sum(), 1.0)
+    assert 0.0 < timer()["optimizer_s"] <= time.perf_counter() - t0
+
+
+def test_a_run_that_starts_without_an_update_stops_at_the_limit_not_before():
+    from minirl.accumulator import Stall, StalledError
+    stall = Stall(3, "x")
+    stall.step(False, 0)
+    stall.step(False, 1)
+    with pytest.raises(StalledError, match=r"step 2: 3 steps in a row \(0-2\)"):
+        stall.step(False, 2)
+
+
+def test_across_ranks_in_a_world_of_one_keeps_every_value(world):
+    from minirl.accumulator import across_ranks
+    metrics = {"grpo_loss": 0.25, "grpo_denom": 7.0, "grpo_tokens": 7.0, "grpo_ratio_max": 1.5,
+               "skipped_nonfinite": 1.0, "entropy": 2.0}
+    assert across_ranks(metrics) == metrics and across_ranks({}) == {}
+
+
+@pytest.mark.parametrize("as_tensor", [True, False])
+def test_a_window_of_one_token_in_all_is_divided_by_one(world, as_tensor):
+    """B8's max(sum, 1) only floors an empty window: a window whose chunks hold one token in all steps
+    exactly as that token's single call would (divided by 1, not by the floor)."""
+    def weights_after(n_micro):
+        model = torch.nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+        acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=1.0), n_micro=n_micro)
+        x = torch.tensor([[1.0, 2.0]])
+        for k in range(n_micro):
+            tokens = 1.0 if k == 0 else 0.0
+            divisor = torch.tensor(tokens) if as_tensor else tokens
+            acc.backward(model(x).sum() * tokens / max(tokens, 1.0), divisor)
+        return model.weight.detach().clone()
+    assert torch.equal(weights_after(2), weights_after(1))

@@ -1,5 +1,7 @@
 """objective.py: each loss returns (normalized loss, divisor, metrics); divisors are post-shaping counts (B6)."""
 
+import math
+
 import pytest
 import torch
 
@@ -169,3 +171,87 @@ def test_without_a_kl_coefficient_the_reference_changes_nothing_and_no_kl_is_rep
     with_ref = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.0)
     assert torch.equal(plain[0], with_ref[0]) and "grpo_kl" not in with_ref[2]
     assert "grpo_kl" in policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1)[2]
+
+
+def test_value_loss_is_clipped_on_both_sides_of_the_old_values(world):
+    """A value that fell 0.5 below its old value with a return above: the clipped prediction is old - eps
+    (0.8 here, not old + eps), which is nearer the return, so the unclipped term (larger) is the loss."""
+    v_old, ret, mask = torch.ones(1, 2), torch.full((1, 2), 2.0), torch.ones(1, 2)
+    v = torch.full((1, 2), 0.5, requires_grad=True)
+    loss, _, m = value_loss(v, v_old, ret, mask, clip_eps=0.2)
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 1.5 ** 2))
+    v = torch.full((1, 2), 0.5, requires_grad=True)
+    far = value_loss(v, v_old, torch.full((1, 2), -1.0), mask, clip_eps=0.2)[0]  # return below: the clip is larger
+    torch.testing.assert_close(far, torch.tensor(0.5 * 1.8 ** 2))
+    assert m["value_clipfrac"] == 1.0
+
+
+def _reference_metrics(logp, old, adv, mask, ref, ent, eps):
+    """policy_loss's metrics by their definitions, token by token in float64."""
+    toks = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    ratio = lambda b, t: math.exp(float(logp[b, t] - old[b, t]))  # noqa: E731
+    clipped = [b_t for b_t in toks if ratio(*b_t) * float(adv[b_t[0]]) >
+               min(max(ratio(*b_t), 1 - eps), 1 + eps) * float(adv[b_t[0]])]
+    k3 = lambda b, t: math.exp(float(ref[b, t] - logp[b, t])) - float(ref[b, t] - logp[b, t]) - 1  # noqa: E731
+    n = max(len(toks), 1)
+    return {"clipfrac": len(clipped) / n, "ratio_max": max([ratio(*x) for x in toks], default=1.0),
+            "kl": sum(k3(*x) for x in toks) / n, "entropy": sum(float(ent[x]) for x in toks) / n,
+            "tokens": float(len(toks)), "n": float(mask.shape[0])}
+
+
+@pytest.mark.parametrize("rows", ["a mixed batch", "one token", "no token"])
+def test_every_reported_metric_is_its_definition(world, rows):
+    """Each key policy_loss reports, against its definition computed token by token: the clip fraction
+    (tokens whose clipped branch is the one taken), the largest ratio (1 with no token), the KL and
+    entropy token means, the counts; and each loss mode's value on rows of one token and of none."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 4, 6
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    old = logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
+    mask = {"a mixed batch": torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0] * 6, [1, 1, 1, 1, 1, 1]]),
+            "one token": torch.tensor([[0, 0, 1, 0, 0, 0]] + [[0] * 6] * 3),
+            "no token": torch.zeros(B, T)}[rows].double()
+    _, _, m = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1, entropy=ent)
+    want = _reference_metrics(logp, old, adv, mask, ref, ent, 0.2)
+    for key, value in want.items():
+        assert abs(float(m[f"grpo_{key}"]) - value) < 1e-12, (rows, key, float(m[f"grpo_{key}"]), value)
+    per_seq = [(mask[b] > 0).nonzero().flatten().tolist() for b in range(B)]
+    pg = lambda b, t: -min(_ratio(logp, old, b, t) * float(adv[b]),  # noqa: E731
+                           min(max(_ratio(logp, old, b, t), 0.8), 1.2) * float(adv[b])) + 0.1 * (
+        math.exp(float(ref[b, t] - logp[b, t])) - float(ref[b, t] - logp[b, t]) - 1)
+    seqs = [b for b in range(B) if per_seq[b]]
+    expected = {"token-mean": sum(pg(b, t) for b in seqs for t in per_seq[b]) / max(sum(map(len, per_seq)), 1),
+                "seq-mean-token-mean": sum(sum(pg(b, t) for t in per_seq[b]) / len(per_seq[b]) for b in seqs)
+                / max(len(seqs), 1),
+                "seq-mean-token-sum": sum(pg(b, t) for b in seqs for t in per_seq[b]) / max(len(seqs), 1),
+                "seq-mean-token-sum-norm": sum(pg(b, t) for b in seqs for t in per_seq[b]) / 7 / max(len(seqs), 1)}
+    for agg, value in expected.items():
+        loss, div, _ = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1, agg=agg, norm_len=7)
+        assert abs(loss.item() - value) < 1e-12, (rows, agg, loss.item(), value)
+        assert div.item() == (sum(map(len, per_seq)) if agg == "token-mean" else len(seqs))
+
+
+def _ratio(logp, old, b, t):
+    return math.exp(float(logp[b, t] - old[b, t]))
+
+
+@pytest.mark.parametrize("rows", ["a mixed batch", "one token", "no token"])
+def test_the_value_loss_and_its_clip_fraction_are_their_definitions(world, rows):
+    g = torch.Generator().manual_seed(6)
+    v_old = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    v = v_old + 0.5 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    ret = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = {"a mixed batch": torch.tensor([[1, 1, 1, 0, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1]]),
+            "one token": torch.tensor([[0, 0, 0, 1, 0], [0] * 5, [0] * 5]), "no token": torch.zeros(3, 5)}[rows].double()
+    toks = [(b, t) for b in range(3) for t in range(5) if mask[b, t]]
+    term = lambda b, t: 0.5 * max(float(v[b, t] - ret[b, t]) ** 2,  # noqa: E731
+                                  (float(v_old[b, t]) + min(max(float(v[b, t] - v_old[b, t]), -0.2), 0.2)
+                                   - float(ret[b, t])) ** 2)
+    loss, div, m = value_loss(v, v_old, ret, mask, clip_eps=0.2)
+    n = max(len(toks), 1)
+    assert abs(loss.item() - sum(term(*x) for x in toks) / n) < 1e-12 and div.item() == len(toks)
+    assert abs(float(m["value_clipfrac"]) - sum(abs(float(v[x] - v_old[x])) > 0.2 for x in toks) / n) < 1e-12
+    assert m["value_tokens"].item() == len(toks) and m["value_n"] == 3.0

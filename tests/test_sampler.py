@@ -128,3 +128,13 @@ def test_duplicate_group_is_refused():
 def test_unknown_sampler_is_rejected():
     with pytest.raises(ValueError, match="in_order or ready_first"):
         ReadyGroups(num_prompts=4, min_groups=1, name="random")
+
+
+def test_a_released_batch_has_nothing_remaining():
+    """After both updates the step's groups are released: none remain to take, none is claimed."""
+    rg = ReadyGroups(num_prompts=4, min_groups=2)
+    for i in range(4):
+        rg.add(Group(i, version=0), step=0)
+    assert len(rg.take()) == 4 and rg.remaining == 0
+    rg.release()
+    assert rg.remaining == 0 and not rg.claimed and rg.released == 4 and rg.take() == []
