@@ -99,7 +99,7 @@ def run_tests(workdir: str, tests: list[str], timeout: float) -> tuple[bool, flo
 
 def copy_repo() -> str:
     d = tempfile.mkdtemp(prefix="minirl-mutate-")
-    for name in ("minirl", "tests", "pyproject.toml"):
+    for name in ("minirl", "tests", "docs", "recipes", "pyproject.toml"):  # tests read docs/ and recipes/
         src = os.path.join(ROOT, name)
         (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, os.path.join(d, name))
     return d

@@ -330,3 +330,10 @@ def test_a_window_of_one_token_in_all_is_divided_by_one(world, as_tensor):
             acc.backward(model(x).sum() * tokens / max(tokens, 1.0), divisor)
         return model.weight.detach().clone()
     assert torch.equal(weights_after(2), weights_after(1))
+
+
+def test_a_family_weighted_by_a_fractional_divisor_is_still_its_weighted_mean():
+    """A divisor is a DP mean, so it can be below 1 (one token on one of two ranks: 0.5); an empty call
+    (divisor 0) adds nothing to the roll-up, however small the other calls' weight."""
+    rolled = roll_up([{"grpo_loss": 0.8, "grpo_denom": 0.5}, {"grpo_loss": 0.0, "grpo_denom": 0.0}])
+    assert rolled["grpo_loss"] == pytest.approx(0.8) and rolled["grpo_denom"] == 0.5
