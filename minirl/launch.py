@@ -7,11 +7,15 @@
   folder and what the engine can run, the task (its prompts checked, its reward functions imported),
   the checkpoint to resume (its files, and its shapes against the model's), and the run directory's
   claim (`claim`).
-- `claim(args, resume)`: one live run owns a run directory (a kernel lock, `<run dir>/.lock`, that dies
-  with its process; a second run on it exits 2 naming the holder); `--checkpoint.resume auto` in a run
-  directory that holds a run but no complete checkpoint is refused; `--log.overwrite` removes the old
-  run's metrics, config, final/, logs and its checkpoints first, so neither a resume nor a prune ever
-  mixes two runs. (The checks that need no lock are `config._check_run_dir`, in every `validate`.)
+- `claim(args, resume)`: one live run owns a run directory and its checkpoint folder, wherever that is
+  (kernel locks, `<folder>/.lock`, that die with their process; a second run on either exits 2 naming
+  the holder); `--checkpoint.resume auto` in a run directory that holds a run but no complete
+  checkpoint is refused; `--log.overwrite` removes the old run's metrics, config, final/, logs and its
+  checkpoints first, so neither a resume nor a prune ever mixes two runs. The run's identity
+  (`run.json`: the run and its line of checkpoints, `begin`) is stamped on every checkpoint; a
+  checkpoint folder holding another run's is refused (`owned_checkpoints`), and a resume by path from
+  an older checkpoint sets the newer ones aside. (The checks that need no lock are
+  `config._check_run_dir`, in every `validate`.)
 - `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
   through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint, or a reward
   function past --task.reward-timeout; 1 with one line when a reward function failed during the run

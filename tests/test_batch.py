@@ -56,3 +56,22 @@ def test_token_budget_plan_fits_balances_and_agrees(world):
         assert all(len(b) * max(lengths[r] for r in b) <= 40 or len(b) == 1 for b in bins)
     assert plan[0] == [[0], [1, 2, 3]]
     assert plan_chunks([50, 3], 1, 0, max_tokens=10) == [[[0], [1]]]  # over-budget row alone
+
+
+def test_a_group_travels_padded_and_comes_back_as_rows_with_the_reward_on_the_last_token():
+    """PPO's unit of work: `as_group` pads a prompt's completions to the longest (with 0, logprobs 0.0)
+    and keeps their lengths; `group_rows` turns groups back into right-padded rows whose sequence reward
+    sits on each row's last completion token, with the engine's logprobs under the mask."""
+    from minirl.batch import as_group, group_rows
+    s = samples()
+    first = as_group(s, slice(0, 2), [1.0, 0.0], [[1.0, 0.0]], version=3)
+    second = as_group(s, slice(2, 4), [0.5, 2.0], [[0.5, 2.0]], version=4)
+    assert first["completions"].tolist() == [[1, 0, 0], [2, 3, 4]] and first["lengths"].tolist() == [1, 3]
+    torch.testing.assert_close(first["logprobs"], torch.tensor([[-0.1, 0.0, 0.0], [-0.2, -0.3, -0.4]]))
+    assert first["prompt"].tolist() == [5, 6] and first["version"].item() == 3
+    rows = group_rows([first, second], pad_id=0)
+    assert rows["input_ids"].tolist() == [[5, 6, 1, 0, 0], [5, 6, 2, 3, 4], [7, 8, 9, 0, 0], [7, 3, 0, 0, 0]]
+    assert rows["mask"].tolist() == [[0, 0, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [0, 1, 0, 0, 0]]
+    ends = {(b, t): v for b, row in enumerate(rows["rewards"].tolist()) for t, v in enumerate(row) if v}
+    assert ends == {(0, 2): 1.0, (2, 2): 0.5, (3, 1): 2.0}  # row 1's reward is 0
+    assert rows["rollout_logp"][1, 2:].tolist() == pytest.approx([-0.2, -0.3, -0.4])
