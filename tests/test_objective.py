@@ -161,6 +161,9 @@ def test_logprob_gap_is_the_mean_absolute_difference_over_the_masked_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     assert logprob_gap(trainer, engine, mask).item() == (0.5 + 0.0 + 0.25 + 0.0) / 4
     assert logprob_gap(trainer, engine, torch.zeros_like(mask)).item() == 0.0
+    one = torch.zeros_like(mask)
+    one[0, 0] = 1.0
+    assert logprob_gap(trainer, engine, one).item() == 0.5  # a chunk of one token: its own gap
 
 
 def test_without_a_kl_coefficient_the_reference_changes_nothing_and_no_kl_is_reported():
@@ -170,6 +173,8 @@ def test_without_a_kl_coefficient_the_reference_changes_nothing_and_no_kl_is_rep
     plain = policy_loss(logp, old, adv, mask, clip_eps=0.2)
     with_ref = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.0)
     assert torch.equal(plain[0], with_ref[0]) and "grpo_kl" not in with_ref[2]
+    by_default = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref)  # kl_coef defaults to none
+    assert torch.equal(plain[0], by_default[0]) and "grpo_kl" not in by_default[2]
     assert "grpo_kl" in policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1)[2]
 
 
@@ -214,6 +219,7 @@ def test_every_reported_metric_is_its_definition(world, rows):
     mask = {"a mixed batch": torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0], [0] * 6, [1, 1, 1, 1, 1, 1]]),
             "one token": torch.tensor([[0, 0, 1, 0, 0, 0]] + [[0] * 6] * 3),
             "no token": torch.zeros(B, T)}[rows].double()
+    old[0, 2] = logp[0, 2] - 0.5  # the one token's ratio is 1.65 with a positive advantage: it is clipped
     _, _, m = policy_loss(logp, old, adv, mask, clip_eps=0.2, ref_logp=ref, kl_coef=0.1, entropy=ent)
     want = _reference_metrics(logp, old, adv, mask, ref, ent, 0.2)
     for key, value in want.items():
@@ -246,6 +252,7 @@ def test_the_value_loss_and_its_clip_fraction_are_their_definitions(world, rows)
     ret = torch.randn(3, 5, generator=g, dtype=torch.float64)
     mask = {"a mixed batch": torch.tensor([[1, 1, 1, 0, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1]]),
             "one token": torch.tensor([[0, 0, 0, 1, 0], [0] * 5, [0] * 5]), "no token": torch.zeros(3, 5)}[rows].double()
+    v[0, 3] = v_old[0, 3] + 0.5  # the one token moved past the clip
     toks = [(b, t) for b in range(3) for t in range(5) if mask[b, t]]
     term = lambda b, t: 0.5 * max(float(v[b, t] - ret[b, t]) ** 2,  # noqa: E731
                                   (float(v_old[b, t]) + min(max(float(v[b, t] - v_old[b, t]), -0.2), 0.2)

@@ -269,9 +269,11 @@ def test_a_reward_that_never_pays_is_warned_about_once_after_ten_batches(forms):
     for _ in range(9):
         s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
     assert said == []  # nine all-zero batches: not yet
-    for _ in range(16):
+    s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
+    assert len(said) == 1 and "first 10 steps" in said[0] and "'7' against the answer '3'" in said[0]  # the tenth
+    for _ in range(15):
         s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
-    assert len(said) == 1 and "first 10 steps" in said[0] and "'7' against the answer '3'" in said[0]  # once
+    assert len(said) == 1  # once
     paid = Scorer(["minirl.rewards:count"], [])
     paid.say = said.append
     for r in ([0.0], [1.0]) + ([0.0],) * 12:
