@@ -113,7 +113,7 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         print(f"{name}: error: {e}", file=sys.stderr)
         code = e.code
     except KeyboardInterrupt:  # a Ctrl-C outside the steps (the build, an eval, an export): one line
-        print(f"{name}: interrupted (Ctrl-C); nothing after the last complete checkpoint is kept", file=sys.stderr)
+        print(f"{name}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         print(f"{name}: stopped: {e}", file=sys.stderr)

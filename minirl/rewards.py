@@ -248,7 +248,7 @@ class Scorer:
             yield
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, before)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if before is None else before)  # None: set outside Python
 
     def check(self, problem) -> None:
         """Call every function once on `problem` with an empty completion (before any model is built): one
