@@ -119,13 +119,13 @@ class JsonlTask:
         else:
             k = min(eval_prompts, len(rows) // 5)
             self.eval_set, self.rows = rows[:k], rows[k:]
-        held = {p.prompt for p in self.eval_set}  # a prompt given twice must not be trained on and scored held out
-        overlap = sum(p.prompt in held for p in self.rows)
-        if overlap:
-            self.rows = [p for p in self.rows if p.prompt not in held]
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(f"--task.path={path!r}: {overlap} training row(s) repeat a held-out prompt; left out of "
-                      "training, so the held-out score stays honest", flush=True)
+            held = {p.prompt for p in self.eval_set}  # a line given twice must not land on both sides of the split
+            overlap = sum(p.prompt in held for p in self.rows)
+            if overlap:
+                self.rows = [p for p in self.rows if p.prompt not in held]
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(f"--task.path={path!r}: {overlap} training row(s) repeat a held-out prompt; left out "
+                          "of training, so the held-out score stays honest", flush=True)
         if not self.rows:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
