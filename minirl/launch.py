@@ -92,9 +92,10 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
                                  evaluates=bool(args.log.eval_every))  # every prompt and reward function
     disaggregated = args.grid.gpu_placement == "disaggregated"
     train_ranks = world_size - (args.grid.rollout_ranks if disaggregated else 0)
-    owned_checkpoints(args)
+    owner = identity(args.log.run_dir)
+    owned_checkpoints(args, owner)
     ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps,
-                                   owner=identity(args.log.run_dir))
+                                   owner=owner)
     if ready.resume:  # another model's checkpoint is refused before the run directory is touched
         checkpoint.check_shapes(ready.resume, models.on_meta(path, checkpoint.PARTS[cls.LOOP]))
     ready.owner = claim(args, ready.resume)
@@ -164,10 +165,10 @@ def identity(run_dir: str) -> dict:
         return {}
 
 
-def owned_checkpoints(args) -> None:
-    """A checkpoint folder belongs to one run: one that holds another run's is refused (unless
-    --log.overwrite, which removes them)."""
-    other = "" if args.log.overwrite else checkpoint.foreign(args.checkpoint_dir, identity(args.log.run_dir))
+def owned_checkpoints(args, owner: dict) -> None:
+    """A checkpoint folder belongs to one run (`owner`, the run directory's identity): one that holds
+    another run's is refused (unless --log.overwrite, which removes them)."""
+    other = "" if args.log.overwrite else checkpoint.foreign(args.checkpoint_dir, owner)
     if other:
         raise ConfigError(f"--checkpoint.dir={args.checkpoint_dir!r} holds another run's checkpoint ({other}); a "
                           "checkpoint folder belongs to one run: pick another --checkpoint.dir (or --log.overwrite "
@@ -207,8 +208,10 @@ def begin(args, resume: str | None) -> dict:
         json.dump(owner, f)
     os.replace(path + ".tmp", path)  # the new line first: a crash among the moves below leaves no doubt
     d = args.checkpoint_dir
+    if not resume or args.checkpoint.resume == "auto":
+        return owner
     newer = sorted(n for n in os.listdir(d) if n.startswith("step_") and n[5:13].isdigit() and int(n[5:13]) > start)
-    if resume and args.checkpoint.resume != "auto" and newer:
+    if newer:
         aside = os.path.join(d, "set_aside", time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(aside, exist_ok=True)
         for n in newer:

@@ -37,12 +37,12 @@ def check_checkpoint(ckpt: str, flag: str) -> None:
     its final/ export, a missing folder); a partial one is refused when it loads (checkpoint.load_model)."""
     if not os.path.isdir(ckpt):
         raise ConfigError(f"{flag}={ckpt!r} is not a folder; give a checkpoint, <run dir>/checkpoints/step_N")
+    from minirl import checkpoint
     names = os.listdir(ckpt)
     if "metrics.jsonl" in names or "checkpoints" in names:
-        steps = sorted(n for n in os.listdir(os.path.join(ckpt, "checkpoints")) if n.startswith("step_")
-                       and not n.endswith(".tmp")) if "checkpoints" in names else []
+        newest = checkpoint.find("auto", os.path.join(ckpt, "checkpoints"))  # the newest complete one, or None
         raise ConfigError(f"{flag}={ckpt!r} is a run directory; give one of its checkpoints ("
-                          + (f"the newest is {os.path.join(ckpt, 'checkpoints', steps[-1])}" if steps else "it has none")
+                          + (f"the newest is {newest}" if newest else "it has none")
                           + (f"), or use its exported policy: --model.path {os.path.join(ckpt, 'final')}"
                              if "final" in names else ")"))
     if "loop_state.json" not in names and ".metadata" not in names:
