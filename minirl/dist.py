@@ -1,24 +1,12 @@
-"""The torchrun world: process groups, devices, seeds and FSDP2 wrapping.
+"""The torchrun world: process groups, devices, seeds and FSDP2 wrapping (disaggregated placement's
+wiring is refit.py's). The rest of the code asks for the rank, the device and the collectives, never
+the backend.
 
-Every torch.distributed set-up call in minirl lives here (disaggregated placement's in refit.py); the
-rest of the code asks for the rank, the device and the collectives and never which backend it runs on.
-
-- Devices: `device_map` is the one pure function from a rank's place in the launch to its
-  trainer and engine devices. Colocated: both on the rank's own card. Disaggregated: every
-  engine on its own card, apart from the trainers. `--dry-run` prints it for every rank.
-- Backends: a CUDA world's groups are `cpu:gloo,cuda:nccl` (`backend_for`), so a collective
-  on a CPU tensor (a metric, a count) goes over gloo and one on a CUDA tensor over NCCL. Every
-  collective in minirl goes through `all_reduce` / `broadcast` here, which refuse a tensor on a
-  device the group does not serve instead of letting NCCL fail (or hang) deep inside a step.
-- Under torchrun the default group spans all ranks. Without a launcher
-  (`python -m minirl.grpo`) `init()` makes a world of one with the same environment torchrun
-  would set, so one code path serves both.
-- `grid.gpu_placement=colocated`: every rank generates and trains. `disaggregated` (PPO): ranks
-  [0, R) generate only, [R, N) train only; its wiring (rank roles, the train group, the refit group,
-  the run's store) is refit.py's, beside the refit it serves. A rollout rank's engine gets a private
-  world of one (`private_world`).
-- FSDP2 (`shard`): float32 master weights and optimizer state, compute in `--model.dtype`,
-  gradients reduced in float32.
+- `device_map`: the one pure function from a rank's place in the launch to its devices.
+- A CUDA world's groups are `cpu:gloo,cuda:nccl`; every collective goes through `all_reduce`,
+  `broadcast` or `gather_json` here, which refuse a tensor on a device the group does not serve.
+- `init()` joins torchrun's world, or makes a world of one without a launcher (same code path).
+- `shard`: FSDP2 with float32 master weights and optimizer state, compute in `--model.dtype`.
 """
 
 from __future__ import annotations
@@ -28,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -59,12 +46,6 @@ class World:
 _here = {"rank": None, "store": None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- devices and backends ----
 
 @dataclass(frozen=True)
@@ -75,13 +56,9 @@ class Devices:
 
 def device_map(global_rank: int, local_rank: int, world_size: int, rollout_ranks: int, placement: str,
                device_type: str) -> Devices:
-    """Where this rank trains and generates. Pure: the same answer on every machine and in --dry-run.
-
-    A rank's card is its LOCAL rank (torchrun numbers ranks node by node, and LOCAL_RANK indexes
-    the node's visible cards). Colocated: engine and trainer share it (the hand-off takes turns on
-    it). Disaggregated: ranks [0, R) only generate, each on its own card; ranks [R, N) only train,
-    each on its own card; no card holds two engines, or an engine and a trainer.
-    """
+    """Where this rank trains and generates; pure (the same answer in --dry-run). A rank's card is its
+    LOCAL rank. Colocated: engine and trainer share it. Disaggregated: ranks [0, R) generate and [R, N)
+    train, each on a card of its own."""
     if not 0 <= global_rank < world_size:
         raise ValueError(f"rank {global_rank} outside a world of {world_size}")
     card = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
@@ -96,10 +73,9 @@ DRIVER_FLOOR = {"13": 580, "12": 525}  # the oldest driver release each CUDA maj
 
 
 def device_type() -> str:
-    """"cuda" where torch can use the GPUs, else "cpu". Where NVIDIA's driver reports GPUs that torch
-    cannot use (a CPU build of torch, or a driver older than torch's CUDA), a ConfigError says which,
-    rather than a run that loads every model on the host and fails only when vLLM (which finds the
-    GPUs through the driver) builds its engine. `CUDA_VISIBLE_DEVICES=` runs on the CPU on purpose."""
+    """"cuda" where torch can use the GPUs, else "cpu"; a ConfigError where the driver reports GPUs this
+    torch cannot use (a CPU build, an old driver), rather than a run that fails when vLLM finds them.
+    `CUDA_VISIBLE_DEVICES=` runs on the CPU on purpose."""
     if torch.cuda.is_available():
         return "cuda"
     found = _nvml() if os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1") else None
@@ -140,9 +116,8 @@ def _nvml() -> tuple[int, str] | None:
 
 
 def backend_for(device_type: str) -> str:
-    """A CUDA world serves both devices: NCCL takes only CUDA tensors, and minirl's small
-    all-reduces (metrics, counts, stop flags) are CPU tensors. torch routes each collective to
-    the backend of its tensor's device (as torchtitan does with `cuda:nccl,cpu:gloo`)."""
+    """NCCL takes only CUDA tensors and minirl's small all-reduces are CPU tensors: torch routes each
+    collective to its tensor's device's backend (torchtitan's `cuda:nccl,cpu:gloo`)."""
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
@@ -171,9 +146,9 @@ def place(device: torch.device, local_world: int, rank: int, store: str | None) 
 
 def init() -> World:
     """Join the torchrun world, or make a world of one when started without a launcher."""
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ:  # port 0: the kernel picks one as the store binds
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     devices = device_map(rank, local_rank, world, 0, "colocated", device_type())
@@ -198,12 +173,9 @@ def seed_everything(seed: int) -> None:
 
 
 def set_deterministic() -> None:
-    """`rl.deterministic`: deterministic kernels everywhere (B15).
-
-    The trap: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it creates its handle, so it must be in
-    the LAUNCH environment (`CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun ...`). Setting it here is
-    only safe while CUDA is still uninitialised; once it is up, this raises rather than warns.
-    """
+    """`rl.deterministic`: deterministic kernels everywhere (B15). The trap: cuBLAS reads
+    CUBLAS_WORKSPACE_CONFIG when it creates its handle, so it belongs in the launch environment; set
+    here only while CUDA is still down, else this raises."""
     if torch.cuda.is_available() and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
         if torch.cuda.is_initialized():
             raise RuntimeError("--rl.deterministic: CUDA is already initialised without CUBLAS_WORKSPACE_CONFIG; "
@@ -218,17 +190,11 @@ def set_deterministic() -> None:
 
 
 @contextlib.contextmanager
-def private_world(device: torch.device, port: int | None = None):
-    """Environment for building a single-process vLLM engine inside a larger torchrun world.
-
-    vLLM reads RANK/WORLD_SIZE/MASTER_PORT when it builds its own groups; giving it a world of
-    one on a fresh port keeps it from joining (and hanging on) the ranks that never build an engine.
-    Its compile cache root is the global rank's own. LOCAL_RANK stays the engine's card: vLLM's
-    external-launcher executor takes its device index
-    from LOCAL_RANK (vllm 0.32 `ExecutorWithExternalLauncher._distributed_args`, then
-    `gpu_worker.Worker.init_device`: `cuda:{local_rank}`), where the single-process executor
-    would always take card 0.
-    """
+def private_world(device: torch.device):
+    """Environment for building a single-process vLLM engine inside a larger torchrun world: a world of
+    one on a port of its own (so vLLM never joins, and hangs on, ranks that build no engine), a compile cache
+    of the rank's own, and LOCAL_RANK kept as the engine's card (vllm 0.32's external-launcher executor
+    takes its device from LOCAL_RANK: `gpu_worker.Worker.init_device`)."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_USE_AGENT_STORE", "VLLM_CACHE_ROOT")
     saved = {k: os.environ.get(k) for k in keys}
@@ -237,10 +203,11 @@ def private_world(device: torch.device, port: int | None = None):
     # own, so two engines on a node never write the same files.
     root = saved["VLLM_CACHE_ROOT"] or os.path.join(os.path.expanduser("~"), ".cache", "vllm")
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, f"minirl-rank{saved['RANK'] or 0}")
-    # The world of one is this host's own: its port was found free HERE, so its address is this host's
-    # loopback, never MASTER_ADDR (on node 1 of two, that is node 0, where nothing listens on the port).
+    # The world of one is this host's own: its address is this host's loopback, never MASTER_ADDR (on
+    # node 1 of two, that is node 0). Port 0: the kernel picks a free port as the world's store binds it;
+    # a port found free first and bound later was once taken in between (EADDRINUSE on a two-node run).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
                       TORCHELASTIC_USE_AGENT_STORE="False")
     try:
         yield
@@ -281,16 +248,10 @@ def lost_peer(e: BaseException) -> PeerLost | None:
 def shard(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> torch.nn.Module:
     """FSDP2 the torchtitan way: `fully_shard` every decoder block, then the root.
 
-    Precision: the sharded parameters stay in the dtype they were loaded in, float32 for every
-    model that trains (models.load_policy / load_value), so the optimizer's master weights and
-    AdamW state are float32; each forward all-gathers them cast to `compute_dtype`
-    (`--model.dtype`), and gradients are reduce-scattered in float32. (bf16 master weights
-    would lose updates: at lr 1e-6 an AdamW step is below bf16's resolution for weights ~0.02.)
-
-    Gradients are reduced as a data-parallel MEAN (FSDP2's default). minirl's loss divisors are
-    DP means too (objective.py), so `mean_r(grad_sum_r / mean_r(N_r)) = grad(total sum) / total N`
-    with no world-size factor anywhere.
-    """
+    The sharded parameters stay float32 (the masters, and AdamW's state with them: a bf16 master would
+    lose an lr-1e-6 step); each forward gathers them cast to `compute_dtype`, and gradients are
+    reduce-scattered in float32 as a DP MEAN. minirl's loss divisors are DP means too (objective.py), so
+    `mean_r(grad_sum_r / mean_r(N_r)) = grad(total sum) / total N`, with no world-size factor anywhere."""
     mesh = device_mesh(world.device.type, world.world_size)
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
@@ -301,10 +262,8 @@ def shard(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> t
 
 
 def _reshard_after_no_grad(model, args, output) -> None:
-    """FSDP2 leaves the root's parameters (embedding, final norm, head) gathered after a forward, since
-    its backward would gather them again at once. A forward without autograd has no backward: the
-    reference's and the critic's value forwards would keep them gathered until the next use (the
-    reference's, all run: about 2.2 GiB at 7B). Reshard them now."""
+    """FSDP2 leaves the root's parameters gathered after a forward, for the backward; a no-grad forward
+    (the reference, the critic's values) has none, so reshard now (about 2.2 GiB at 7B)."""
     if not torch.is_grad_enabled():
         model.reshard()
 
@@ -328,11 +287,9 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None):
-    """Yield (name, full tensor) for every parameter, one all-gather at a time (a collective:
-    every rank of the group must iterate to the end). Peak memory is one full parameter. Each
-    tensor is the receiver's own: a loader that writes into it never touches the trainer's masters.
-    `dtype`: cast for the receiver (the engine runs in `--model.dtype`, the masters are float32), shard by
-    shard before the gather, so the gather moves and holds the receiver's dtype."""
+    """Yield (name, full tensor) for every parameter, one all-gather at a time (a collective: every rank
+    iterates to the end); each tensor is the receiver's own copy. `dtype`: cast shard by shard before
+    the gather, so the gather moves the receiver's dtype."""
     for name, p in model.named_parameters():
         if hasattr(p, "full_tensor") and p.device_mesh.size() > 1:
             local = p.detach() if dtype is None else p.detach().to(dtype)  # cast the shard: half the gather in bf16
@@ -410,11 +367,9 @@ def quietly(fn) -> None:
 
 
 def sigterm_flag():
-    """SIGTERM (torchrun forwards it to every rank) or a first Ctrl-C (SIGINT) asks for an emergency
-    save at the next step boundary; a second signal stops at once (a scheduler's second SIGTERM too: a
-    step that never ends, e.g. a reward function that never returns, cannot hold the run). Returns a
-    check that every rank of the default group calls at the same point; they agree through a max
-    all-reduce, so they all save and stop, or none does. The check's `name` says which signal came ("SIGTERM", "Ctrl-C")."""
+    """SIGTERM or a first Ctrl-C asks for an emergency save at the next step boundary; a second signal
+    stops at once (a step that never ends cannot hold the run). Returns a check every rank calls at the
+    same point, agreed by a max all-reduce; its `name` says which signal came."""
     got = []
 
     def on_signal(signum, _frame):

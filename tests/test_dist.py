@@ -26,6 +26,32 @@ def test_disaggregated_rollout_rank_and_train_group_meet_through_the_store(tiny_
     assert "ROLLOUT OK" in p.stdout and p.stdout.count("TRAIN rank") == 2
 
 
+
+def test_a_private_world_of_one_takes_its_port_as_its_store_binds_it():
+    """A rollout rank's engine world (`dist.private_world`) gives its store port 0, so the kernel picks a free
+    port in the bind itself: a port found free first and bound later can be taken in between (seen as
+    EADDRINUSE on a two-node run). Two such worlds start at once on one host, each on a port of its own."""
+    import subprocess
+    import sys
+    code = ("import os, torch, torch.distributed as d\n"
+            "from minirl import dist\n"
+            "with dist.private_world(torch.device('cpu')):\n"
+            "    assert os.environ['MASTER_PORT'] == '0', os.environ['MASTER_PORT']\n"
+            "    d.init_process_group('gloo', init_method='env://')\n"
+            "    s = d.distributed_c10d._get_default_store()\n"
+            "    while hasattr(s, 'underlying_store'):\n"
+            "        s = s.underlying_store\n"
+            "    print('PORT', d.get_world_size(), s.port)\n"
+            "    d.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-500:] for _, err in outs]
+    ports = [int(out.split()[-1]) for out, _ in outs]
+    assert all(out.split()[1] == "1" for out, _ in outs) and 0 not in ports and ports[0] != ports[1]
+
+
 # ---- devices and backends (pure functions, no processes) ----
 
 LAYOUTS = [(8, r) for r in range(1, 8)] + [(16, 2), (16, 8)]  # (world size, rollout ranks); 16 = 2 nodes x 8
