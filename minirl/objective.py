@@ -1,21 +1,12 @@
-"""Policy and value losses. Each returns (loss, divisor, metrics).
+"""Policy and value losses. Each returns (loss, divisor, metrics) (rule B6 in docs/invariants.md).
 
-B6 (docs/invariants.md): the objective returns its normal per-chunk NORMALIZED loss
-and, beside it, the divisor it normalized by (`<prefix>_denom`): the count of masked
-completion tokens after shaping (or of non-empty sequences for a sequence-mean loss, `_normalize`), taken
-as a data-parallel MEAN (one all-reduce per call). The DP mean composes with FSDP's
-mean-reduced gradients without a world-size factor, and summed over chunks it IS the
-batch's divisor, so the accumulator needs no collective of its own (accumulator.py).
+The loss is normalized per chunk, and the divisor it was normalized by (`<prefix>_denom`: masked
+completion tokens, or non-empty sequences for a seq-mean mode) is a data-parallel MEAN, so summed
+over chunks it is the batch's divisor and composes with FSDP's mean-reduced gradients without a
+world-size factor. An all-empty chunk returns loss 0 (attached to the graph) and divisor 0, never
+NaN. Nothing is read back to the host: loss, divisor and metrics stay 0-dim device tensors.
 
-An all-empty chunk (divisor 0) returns loss 0 (still attached to the graph, so backward
-runs and yields zero gradients) and divisor 0: never NaN.
-
-Nothing here reads a value back to the host: the loss, the divisor and every metric stay 0-dim
-tensors on the trainer's device (on a GPU each read is a sync that drains its queue), and the
-accumulator reads the step's metrics once, when the step is done (accumulator.roll_up).
-
-Shapes: B sequences, T positions; every per-token tensor is (B, T) and `mask` is 1.0 on
-trained completion tokens.
+Shapes: B sequences, T positions; per-token tensors are (B, T); `mask` is 1.0 on trained tokens.
 """
 
 from __future__ import annotations
@@ -67,7 +58,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                clip_eps: float = 0.2, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                 agg: str = "token-mean", prefix: str = "grpo", clip_eps_high: float = 0.0, dual_clip: float = 0.0,
                 entropy: torch.Tensor | None = None, kl_estimator: str = "k3", entropy_coef: float = 0.0,
                 norm_len: int = 1):

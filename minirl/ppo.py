@@ -4,13 +4,10 @@
     python -m minirl.ppo --grid.gpu-placement colocated \
         --async-rl.min-groups-for-streaming-train 16 --ppo.ppo-epochs 2   # full batch on one process
 
-One trainer loop (`train`) runs every step the same way: take chunks of completed groups, feed
-each to `stream.TrainPump` (value forward first, policy forward, GAE, policy backward, S5),
-close the step (one policy step per epoch, refit, critic epochs, S8-S10), release the groups,
-then report (the harness saves between steps only, never inside the update, S11). Where the groups
-come from is the only thing the placement changes (`placement.py`): separate rollout ranks that hand
-groups and weights over a TCPStore and the refit group (`StoreGroups`, `rollout_rank`), or every
-rank's own engine, asleep through the update (`EngineGroups`, colocated full batch).
+One trainer loop (`train`) for either placement: take chunks of completed groups, feed each to
+`stream.TrainPump` (S5), close the step (policy step, refit, critic epochs, S8-S10), release the
+groups, report; the harness saves between steps only (S11). Where the groups come from is
+placement.py's.
 """
 
 from __future__ import annotations
@@ -133,9 +130,8 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
 
 
 def group_metrics(groups: list[dict], G: int, names: list[str], rows: int, tok, train_samples: int) -> dict:
-    """The step's samples over every train rank (collectives): rewards, each reward function's mean,
-    completion and prompt lengths, the clipped share (logger.sample_metrics); this rank's first
-    `train_samples` rollouts (logger.training_rows)."""
+    """The step's sample metrics over every train rank (collectives; logger.sample_metrics) and this rank's
+    first `train_samples` rollouts."""
     cat = lambda key, dim=0: torch.cat([g[key] for g in groups], dim=dim)  # noqa: E731
     parts = dict(zip(names, cat("reward_parts", dim=1)))
     out = sample_metrics(cat("rewards"), G, cat("lengths").tolist(), cat("clipped").tolist(), parts)
@@ -157,12 +153,9 @@ def offloaders(policy, policy_opt, value, value_opt, ref):
 def pump_config(args: PPOArgs, step: int, colocated: bool) -> PumpConfig:
     """The pump's settings for `step` (critic warmup or not) under this placement."""
     p = args.ppo
-    return PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam, clip_eps=p.clip_eps,
-                      clip_eps_high=p.clip_eps_high, dual_clip=p.dual_clip, kl_coef=p.kl_coef,
-                      kl_estimator=p.kl_estimator, entropy_coef=p.entropy_coef, loss_agg_mode=p.loss_agg_mode,
-                      max_tokens=args.rollout.max_tokens,
-                      value_max_grad_norm=p.max_grad_norm, value_clip_eps=p.clip_eps,
-                      normalize_advantages=p.adv_estimator.normalize_advantages,
+    return PumpConfig(gamma=p.adv_estimator.gamma, lam=p.adv_estimator.lam,
+                      loss=p.loss_options(args.rollout.max_tokens), value_max_grad_norm=p.max_grad_norm,
+                      value_clip_eps=p.clip_eps, normalize_advantages=p.adv_estimator.normalize_advantages,
                       critic_ppo_epochs=p.critic_ppo_epochs, critic_warmup=step < p.critic_warmup_steps,
                       ppo_epochs=p.ppo_epochs, refit_after_critic=colocated, value_ready_early=not colocated,
                       policy_micro_rows=p.policy_micro_batch_rows, critic_micro_rows=p.critic_micro_batch_rows,

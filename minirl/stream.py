@@ -1,45 +1,20 @@
-"""train_pump: one PPO step consumed as streamed chunks of completed groups (the update lifecycle,
-rules S5-S15 in docs/invariants.md). The PPO loop feeds it; this module owns the order of work.
+"""train_pump: one PPO step consumed as streamed chunks of completed groups, in the order the spec
+fixes (rules S5-S15, S19 in docs/invariants.md; the walk-through is docs/guide-streaming.md).
 
-Per chunk (`TrainPump.chunk`, S5): value forward with the UNCHANGED critic (kept as each sample's
-old value for every critic epoch, S6) -> policy (and reference) forward -> GAE -> policy
-backward into an open accumulator window. Neither model steps between chunks. While the value
-model runs, the policy's parameters and optimizer state are offloaded and its accumulated
-gradients stay resident (S7); the value model is prepared before the caller waits for the next
-chunk and stays resident across empty selections (S12). Colocated (`value_ready_early` off), the
-engine generates on the same card, so the critic waits off the card until the first chunk comes.
+- `TrainPump.chunk(c)` (S5-S7, S12): value forward with the step's UNCHANGED critic (the old values,
+  kept for every critic epoch) -> policy (and reference) forward -> GAE -> policy backward into the
+  step's open accumulator window; nothing steps between chunks. The policy is offloaded with its
+  gradients resident while the critic runs, and the critic is resident again before the caller
+  waits for the next chunk.
+- `TrainPump.close()` (S8-S11, S13-S15): refuse a step whose every token is masked; one policy step
+  per epoch, scaled by the whole step's valid tokens; the refit; then the critic's epochs against the
+  frozen returns (colocated full batch: the refit after them). The caller releases the groups after.
+- pi_old is the trainer's own logprob at the step's starting weights (as verl's `old_log_prob`), or
+  the engine's under `use_rollout_logprobs`; advantages are whitened per chunk (S19).
 
-`TrainPump.close` (S8-S11, S13-S15): fail before either update if the whole step was masked;
-scale the policy gradient once by the whole step's valid-token count, clip, take ONE policy
-optimizer step at the scheduled learning rate (full batch: `ppo_epochs` steps, each over the whole batch
-against the frozen pi_old and advantages); refit the rollout; then train the critic for
-`critic_ppo_epochs` on the assembled batch with the frozen returns. Colocated full batch
-(`refit_after_critic`): the engine sleeps through critic training and the refit comes after it. During critic warmup the
-policy backward, step and refit are skipped. The caller releases the consumed groups and
-advances its step counter after `close` returns, and takes no checkpoint in between.
-
-With `normalize_advantages`, advantages are whitened within each chunk (S19): under streaming
-the chunk is all there is when its backward runs. Critic returns are unaffected, and the policy
-loss divisor is still the whole step's count.
-
-pi_old is the trainer's own logprob at the step's starting weights (the policy has not stepped
-within the step), kept for every policy epoch, as verl recomputes `old_log_prob`. Under
-`max_lookahead_versions` >= 1 a group may have been sampled by a policy up to that many
-versions older: like verl, that staleness is not corrected (the ratio starts at 1).
-`use_rollout_logprobs` takes the engine's logprobs instead, which corrects it, but on GPUs also
-carries the engine's bf16 kernel mismatch. `ppo_logprob_gap` (mean |trainer - engine| logprob)
-shows both together.
-
-Devices: a chunk arrives on the host and moves to the trainer's device once, on entry
-(`batch.to_device`), but for its `lengths`, a host list (models.layout plans on the host);
-everything the pump keeps for the close (old values, returns, advantages) is on that device.
-
-Memory: the policy runs each chunk in micro-batches of `policy_micro_rows` rows and the critic
-the assembled batch in micro-batches of `critic_micro_rows`, both into open accumulator windows
-whose deferred divisor (accumulator.py) makes the step exact at any size.
-
-Shapes: a chunk is a dict of (B_c, T) tensors `input_ids`, `mask`, `rewards` (the sequence
-reward on its last completion token) and optional `rollout_logp`, and `lengths` (B_c host ints).
+Shapes: a chunk is a dict of (B_c, T) tensors `input_ids`, `mask`, `rewards` (the sequence reward on
+its last completion token), optional `rollout_logp`, and `lengths` (B_c host ints). Everything the
+pump keeps for the close is on the trainer's device (`batch.to_device`, once per chunk).
 """
 
 from __future__ import annotations
@@ -62,15 +37,8 @@ from minirl.offload import TrainerOffload
 class PumpConfig:
     gamma: float = 1.0
     lam: float = 0.95
-    clip_eps: float = 0.2
-    clip_eps_high: float = 0.0       # the ratio's upper clip (DAPO clip-higher); 0 = clip_eps
-    dual_clip: float = 0.0           # verl's clip_ratio_c for negative advantages; 0 = off
+    loss: dict = field(default_factory=dict)  # the policy loss's options, as config.OptimConfig.loss_options gives them
     value_clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    max_tokens: int = 1              # seq-mean-token-sum-norm's constant (--rollout.max-tokens)
     value_max_grad_norm: float = 0.0  # clip the critic's gradient norm (0 = no clip)
     normalize_advantages: bool = True
     critic_ppo_epochs: int = 1
@@ -152,14 +120,14 @@ class TrainPump:
         old, refs, gaps = [], [], []
         for rows in self._micro_batches(ids.shape[0], self.cfg.policy_micro_rows):
             part = _slice_rows(entry, rows)
-            if self.ref is not None and self.cfg.kl_coef:
+            if self.ref is not None and self.cfg.loss.get("kl_coef"):
                 self.events.append("reference.forward")
                 with torch.no_grad():
                     refs.append(token_logprobs(self.ref, part["input_ids"], lengths=part.get("lengths")))  # no graph yet
             self.events.append("policy.forward")
             with torch.set_grad_enabled(not self.cfg.critic_warmup):  # warmup: pi_old only, no backward follows
                 logp, entropy = token_logprobs(self.policy, part["input_ids"],
-                                               entropy="grad" if self.cfg.entropy_coef else True,
+                                               entropy="grad" if self.cfg.loss.get("entropy_coef") else True,
                                                lengths=part.get("lengths"))
             has_engine = "rollout_logp" in part
             old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
@@ -224,9 +192,8 @@ class TrainPump:
                 "time/last_chunk": self.last_chunk_s, "time/close": time.perf_counter() - t0}
 
     def _value_stats(self) -> dict:
-        """Over every train rank's valid tokens (a collective): the means of the GAE advantages (before
-        whitening), returns and old values, and how much of the returns' variance the critic explains,
-        1 - Var(R - V) / Var(R) (verl's vf_explained_var)."""
+        """Over every train rank's valid tokens (a collective): the means of the raw advantages, returns and old
+        values, and the critic's explained variance 1 - Var(R - V) / Var(R) (verl's vf_explained_var)."""
         sums = torch.zeros(7, dtype=torch.float64, device=self.device)
         for c in self.chunks:
             m = c["mask"].double()
@@ -245,11 +212,8 @@ class TrainPump:
         return self.policy_acc.skipped - self._skipped_before
 
     def _policy_backward(self, logp: torch.Tensor, c: dict, entropy: torch.Tensor | None = None) -> None:
-        loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], self.cfg.clip_eps, c["ref_logp"],
-                                       self.cfg.kl_coef, prefix="ppo", clip_eps_high=self.cfg.clip_eps_high,
-                                       dual_clip=self.cfg.dual_clip, entropy=entropy, kl_estimator=self.cfg.kl_estimator,
-                                       entropy_coef=self.cfg.entropy_coef, agg=self.cfg.loss_agg_mode,
-                                       norm_len=self.cfg.max_tokens)
+        loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], ref_logp=c["ref_logp"],
+                                       entropy=entropy, prefix="ppo", **self.cfg.loss)
         self.events.append("policy.backward")
         self.policy_acc.backward(loss, divisor)  # a non-finite loss poisons the step's window (B12)
         self.calls.append(m)

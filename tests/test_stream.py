@@ -267,8 +267,8 @@ def test_policy_micro_batches_equal_the_whole_chunk_step(models, world, agg):
     last one included) gives the same step, and the same frozen pi_old, as whole chunks, under each
     --ppo.loss-agg-mode."""
     chunks = [make_chunk(*c) for c in CHUNKS]
-    whole, _ = run(models, chunks, normalize_advantages=False, loss_agg_mode=agg, max_tokens=8)
-    split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3, loss_agg_mode=agg, max_tokens=8)
+    whole, _ = run(models, chunks, normalize_advantages=False, loss={"agg": agg, "norm_len": 8})
+    split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3, loss={"agg": agg, "norm_len": 8})
     assert split.events.count("policy.backward") == 2 + 2 + 1
     g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen
     scale = max(g.abs().max().item() for g in g_w)
@@ -368,7 +368,7 @@ def test_kl_penalty_to_a_frozen_reference_scored_before_the_policy(models, world
     """--ppo.kl-coef: the reference scores each micro-batch before the policy's forward, the k3 KL
     enters the loss (0 while the policy equals the reference, > 0 after it moved) and is logged."""
     chunks = [make_chunk(*c) for c in CHUNKS[:2]]
-    p = pump(models, PumpConfig(kl_coef=0.1))
+    p = pump(models, PumpConfig(loss={"kl_coef": 0.1}))
     p.ref = copy.deepcopy(models[0]).requires_grad_(False)
     for c in chunks:
         p.chunk(c)
@@ -378,7 +378,7 @@ def test_kl_penalty_to_a_frozen_reference_scored_before_the_policy(models, world
     assert out["ppo_kl"] == 0.0  # the policy has not moved from the reference yet
     p.policy_off.onload()
     later = TrainPump(p.policy, p.value, Accumulator(p.policy, p.policy_acc.optimizer, n_micro=None), p.value_opt,
-                      PumpConfig(kl_coef=0.1), step=4, ref=p.ref, log=lambda _: None, policy_off=p.policy_off,
+                      PumpConfig(loss={"kl_coef": 0.1}), step=4, ref=p.ref, log=lambda _: None, policy_off=p.policy_off,
                       value_off=p.value_off)
     later.chunk(chunks[0])
     assert later.close()["ppo_kl"] > 0
