@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/python -m minirl.tools.plot runs/demo
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30  # the slowest tests, to keep CI near its 30 minutes
 
 clean:
 	rm -rf runs .cache .pytest_cache

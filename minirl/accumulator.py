@@ -1,29 +1,13 @@
-"""The optimizer-step window: deferred normalization, scale -> clip -> step, the poisoned window.
+"""The optimizer-step window: deferred normalization, scale -> clip -> step, the poisoned window, and
+the metric roll-up (rules B5-B13 in docs/invariants.md).
 
-Rules B5-B13 of docs/invariants.md: deferred normalization, the poisoned window, the metric roll-up.
-One window is `n_micro` calls of `backward(loss, divisor)`, then one optimizer step:
-
-- n_micro == 1: `loss.backward()` exactly as the single-call path always did (B7): the
-  deferred path's `(sum a_i) * s` and `sum(a_i * s)` differ in the last bits.
-- n_micro > 1: backpropagate each chunk's UN-normalized sum `loss * divisor`, add up the
-  divisors, and on the last call scale every gradient once by `1 / max(sum, 1)` (B8), THEN
-  clip, THEN step (B9). `max(., 1)`: an all-empty window has sum 0 and a zero gradient, not NaN (B10).
-  Exact because gradients are linear; no extra collective, because each divisor is already a DP
-  mean and the DP mean is linear over chunks.
-- A non-finite chunk loss poisons its window (B12): the window is abandoned whole at its end, its
-  gradients zeroed and its divisor sum reset, with no optimizer step, so the next window holds only
-  the next mini-batch. Finiteness is tracked on the device and read once, when the window closes,
-  together with the gradient norm: the rest of a poisoned window still runs and is dropped with it,
-  since telling the host after each call would be a sync per micro-batch on a GPU (a stall of its
-  queue). The window's length is fixed (n_micro calls, or an open PPO window closed by `finish()`),
-  so a drop never misaligns the next window. The flag is agreed across ranks (a max all-reduce) before
-  the read, so every rank takes the same branch and FSDP's collectives stay matched.
-- `roll_up` (B13): losses and rates token-weighted by the divisor, counts summed, computed on the
-  device and read back once per step.
-
-The caller owns the forward; the window owns backward, scaling, clipping and the step. The host
-reads per optimizer step are the window's one (`finish`) and the step's metrics (`roll_up`), at any
-n_micro.
+One window is `n_micro` calls of `backward(loss, divisor)`, then `finish()`: at n_micro == 1 a plain
+`loss.backward()` (B7); else each chunk's un-normalized `loss * divisor` is backpropagated, the
+divisors summed, and every gradient scaled once by 1 / max(sum, 1) (B8, B10), THEN clipped, THEN
+stepped (B9). Exact because gradients are linear; no collective of its own, because each divisor is
+already a DP mean. A non-finite loss poisons its window (B12): it runs to its fixed end and is
+dropped whole, agreed across ranks. The host reads per optimizer step are `finish`'s one and the
+step's metrics (`roll_up`, B13).
 """
 
 from __future__ import annotations
@@ -43,10 +27,8 @@ SHARED = ("skipped_nonfinite",)        # counts every rank holds alike: summed o
 class Accumulator:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, n_micro: int | None,
                  max_grad_norm: float = 0.0, schedule=None):
-        """n_micro=None opens a window of unknown length (PPO streaming: the chunk count is decided
-        by the sampler at run time); the caller closes it with `finish()`. `schedule(k)`: the
-        learning rate of optimizer step k (`lr_schedule`), set before every step; None = the
-        optimizer's own."""
+        """n_micro=None opens a window of unknown length that the caller closes with `finish()` (PPO streaming).
+        `schedule(k)`: optimizer step k's learning rate, set before every step; None = the optimizer's own."""
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.n_micro, self.max_grad_norm = n_micro, max_grad_norm
         self.calls = 0          # calls so far in the current window
@@ -76,10 +58,8 @@ class Accumulator:
         return self.finish()
 
     def finish(self) -> dict:
-        """Close the window: scale by 1 / max(sum of divisors, 1) (B8; a one-call window as it is, B7),
-        then clip (B9), then one host read: every rank's finiteness and the norm; a step if both are
-        finite, else the window is dropped (B12). {"grad_norm": ...}, plus "skipped_nonfinite": 1.0
-        for a drop."""
+        """Close the window: scale by 1 / max(sum of divisors, 1) (B8, B7), clip (B9), then the one host read
+        of every rank's finiteness and the norm: a step if both are finite, else the window is dropped (B12)."""
         t0 = time.perf_counter()
         if self.n_micro != 1:
             d = self.denom
@@ -111,9 +91,8 @@ class Accumulator:
 
 
 def lr_schedule(peak: float, warmup: int, total: int, kind: str = "constant", min_ratio: float = 0.0):
-    """The learning rate of optimizer step k (0-based): linear warmup to `peak` over `warmup` steps,
-    then constant, or a cosine from `peak` down to `min_ratio * peak` at step `total`, one past the
-    run's last (as Hugging Face's cosine schedule): at --rl.min-lr-ratio 0 the last update still moves."""
+    """Optimizer step k's learning rate: linear warmup to `peak`, then constant, or a cosine down to
+    `min_ratio * peak` at step `total`, one past the run's last (Hugging Face's: the last update moves)."""
     def lr(k: int) -> float:
         if k < warmup:
             return peak * (k + 1) / warmup
@@ -129,9 +108,8 @@ class StalledError(RuntimeError):
 
 
 class Stall:
-    """Counts consecutive steps that took no optimizer step (every window skipped as non-finite) and
-    stops the run after `limit` of them: a policy that only produces NaN losses cannot learn again,
-    and training on would only overwrite checkpoints and the export with it."""
+    """Stops the run after `limit` steps in a row without an optimizer step (every window non-finite):
+    training on would only overwrite the checkpoints and the export."""
 
     def __init__(self, limit: int, hint: str):
         self.limit, self.hint, self.in_a_row = limit, hint, 0
@@ -160,14 +138,10 @@ def _clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def roll_up(calls: list[dict]) -> dict:
     """Combine per-call metrics into one record of floats (B13).
 
-    Keys ending in a COUNTS suffix are summed; `*_max` keys take the max; a family's `<prefix>_loss`
-    is weighted by its divisor `<prefix>_denom`, its other keys (per-token rates: the clip fraction,
-    KL, entropy) by its `<prefix>_tokens` where it counts them, else by the divisor:
-    sum(x_i * w_i) / sum(w_i), which telescopes back to the whole batch's value (under a seq-mean
-    loss the divisor counts sequences, so a token rate weighted by it would not). Keys without a
-    weight in their family (or whose weights sum to 0) are averaged over the calls that report them. Values may be numbers or 0-dim device tensors (the objective's): the tensors are
-    combined on their device and read back in one transfer, the step's one read of its metrics.
-    """
+    COUNTS suffixes are summed, `*_max` keys maxed; a family's `<prefix>_loss` is weighted by its divisor
+    `<prefix>_denom`, its other keys (per-token rates) by its `<prefix>_tokens` where it has them, else by
+    the divisor, so the result telescopes to the whole batch's value; anything else is a plain mean. The
+    values may be 0-dim device tensors: combined on the device and read back in one transfer."""
     keys = sorted({k for c in calls for k in c})
     device = next((v.device for c in calls for v in c.values() if isinstance(v, torch.Tensor)), None)
     if device is None:  # host numbers only
@@ -198,14 +172,9 @@ def roll_up(calls: list[dict]) -> dict:
 
 
 def across_ranks(metrics: dict) -> dict:
-    """One record for the whole data-parallel group (a collective: every rank must call it).
-
-    Counts sum over ranks, except the divisor, which is already a DP mean and equal on every
-    rank; `*_max` takes the max; counts every rank shares (`*skipped_nonfinite`: a skip is
-    decided by an all-reduce, so each rank counts the same windows) take the max too, never the
-    sum; everything else is the mean over ranks, which is exact for a loss normalized by the
-    shared DP-mean divisor.
-    """
+    """One record for the whole data-parallel group (a collective). Counts are summed over ranks but the
+    divisor (already a DP mean); `*_max` and the shared skip counts take the max; everything else the
+    mean, which is exact for a loss normalized by the shared divisor."""
     keys = sorted(metrics)
     if not keys:
         return {}

@@ -1,41 +1,20 @@
-"""The rank-local rollout store, the dispatch that turns a (mini, micro) index into tensors, and
-padding-free packing of a micro-batch's rows.
+"""The rank-local rollout store, the (mini, micro) plan of its rows, and padding-free packing.
 
-The driver loop passes indices only (B3). `pack` turns this
-rank's samples into right-padded tensors once per collected batch. `plan_chunks` decides which
-rows each (mini, micro) index means: fixed-size micro-batches, or, with a token budget (X1),
-micro-batches packed under the budget and balanced by token cost. `RolloutStore.chunk(mini,
-micro)` returns those rows trimmed to the chunk's own longest sequence, so the trainer sees a
-plain batch and a micro-batch of short completions costs short activations.
+- `pack` turns this rank's samples into right-padded host tensors once per batch; `plan_chunks`
+  decides each (mini, micro) index's rows: fixed-size micro-batches, or under a token budget (X1)
+  the fewest that fit, balanced by cost, the same count on every rank. The loop passes indices only
+  (B3): `RolloutStore.chunk(mini, micro)` returns the rows trimmed to their longest, moved to the
+  trainer's device by `to_device`, the one place a chunk moves.
+- The store counts its readers: each planned chunk once per epoch, plus once for the pi_old ahead
+  pass, set from the same predicate that runs it (B18); a read past the count or a read left over
+  at `close()` raises.
+- `Layout`: a micro-batch's rows laid end to end into lanes as long as its longest row (first fit,
+  longest first), positions restarting per row, so transformers' block-diagonal mask keeps each
+  token to its own row (one lane for flash attention, which packs only at batch size 1). `exact`
+  checks once per model that it really does; minirl packs only where it does.
 
-Devices: the store lives on the host; `to_device` is the ONE place a chunk moves to the
-trainer's device (pinned and non-blocking on CUDA), and `RolloutStore.chunk` calls it, so
-every tensor the trainer computes with is on its device. A chunk's `lengths` stay a host list of
-ints: the packed layout is planned on the host (models.layout), with no device sync per forward.
-
-The store counts its readers (spec: "BulkStore readers"): every planned chunk is read once per
-training epoch, plus once more when the pi_old ahead pass runs. The caller sets the count
-from the SAME predicate that runs the pass (B18); reading past it raises (the batch is already
-released) and `close()` raises if reads were left over (a leak).
-
-Shapes: B_r rows on this rank, T = longest prompt + completion in the batch.
-Row layout: [prompt tokens | completion tokens | pad]; `mask` is 1.0 on completion tokens.
-
-Padding-free rows (`Layout`): a micro-batch's sequences laid end to end, positions restarting per
-row. A right-padded (B, T) micro-batch computes B x T tokens for sum(lengths) real ones; with skewed
-completion lengths most of that is pad. Packed, the rows go end to end into lanes of `capacity`
-tokens (first fit, longest first) and each row's `position_ids` restart at 0. transformers reads the
-restarts and builds a block-diagonal causal mask (sdpa, eager), so a token attends only to its own
-row and every number equals the padded path's up to float rounding (test_packing.py guards
-logprobs, values and gradients). A model loaded with flash attention is packed into ONE
-lane: transformers serves packed positions through varlen flash kernels only at batch size 1.
-
-Lanes are as long as the longest row, so no lane is longer than the padded batch and attention
-(quadratic in a lane's length under a dense mask) never costs more than padded; only the ends of
-the lanes are pad (`Layout.computed` counts them).
-
-`exact(forward)` checks, once per model at load time, that the model really separates packed rows
-(one that ignored `position_ids` would let rows see each other): minirl packs only where it does.
+Shapes: B_r rows on this rank, T = longest prompt + completion; a row is [prompt | completion | pad]
+and `mask` is 1.0 on completion tokens. `lengths` stay host ints (the layout is planned on the host).
 """
 
 from __future__ import annotations
@@ -67,10 +46,8 @@ def pack(samples: Samples, advantages: torch.Tensor, pad_id: int) -> dict[str, t
 
 
 def as_group(s: Samples, rows: slice, rewards: list[float], parts: list[list[float]], version: int) -> dict:
-    """PPO's unit of work: one prompt's G samples (`rows` of `s`) as tensors, what a rollout rank sends
-    and the trainer's sampler takes: prompt (T_p,), completions (G, T_c) padded with 0, their lengths,
-    engine logprobs, rewards, each reward function's values (functions, G), clipped, and the policy
-    version that sampled them."""
+    """PPO's unit of work, what a rollout rank sends: one prompt's G samples as tensors (prompt, completions
+    (G, T_c) padded with 0, lengths, logprobs, rewards, each function's values, clipped, version)."""
     comps = s.completion_tokens[rows]
     T = max(map(len, comps))
     pad = lambda xs, v: [x + [v] * (T - len(x)) for x in xs]  # noqa: E731
@@ -112,14 +89,10 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0, packed: bool = False) -> Plan:
     """Rows of each mini-batch (contiguous, equal) split into micro-batches.
 
-    max_tokens == 0: consecutive slices of `micro_rows` rows (n_micro fixed by config).
-    max_tokens > 0: the fewest micro-batches whose computed tokens fit the budget, balanced by
-    cost, and the SAME count on every data-parallel rank (a collective), since FSDP needs every
-    rank to run the same number of forward/backward calls. Computed tokens are rows x longest row
-    padded, or the packed lanes' tokens when `packed` (the trainer runs padding-free,
-    packing.computed_tokens), so a packed budget holds more short rows. A row longer than the
-    budget gets a micro-batch of its own.
-    """
+    max_tokens == 0: consecutive slices of `micro_rows` rows. max_tokens > 0: the fewest micro-batches
+    whose computed tokens (padded, or the packed lanes' when `packed`) fit the budget, balanced by cost,
+    the SAME count on every rank (a collective: FSDP needs equal calls). A row over the budget gets a
+    micro-batch of its own."""
     per_mini = len(lengths) // n_mini
     plan = []
     for mini in range(n_mini):
@@ -301,9 +274,8 @@ def one_lane(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def exact(forward, vocab: int, tol: float = 1e-4) -> float | None:
-    """Whether `forward(input_ids, position_ids) -> (B, T, D)` keeps packed rows apart: two rows
-    (5 and 3 tokens) scored alone and packed into one lane must agree. Returns the largest
-    difference relative to the outputs' scale, or None when it is within `tol` (float32)."""
+    """Whether `forward(input_ids, position_ids)` keeps packed rows apart: None when two rows scored alone
+    and packed agree within `tol` (relative), else the difference."""
     a = torch.arange(1, 6) % vocab
     b = torch.arange(7, 10) % vocab
     alone = [forward(x[None], torch.arange(len(x))[None])[0] for x in (a, b)]

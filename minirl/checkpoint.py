@@ -1,28 +1,15 @@
 """Checkpoints: sharded model and optimizer state (torch.distributed.checkpoint) and the loop state
-beside it; the final policy in Hugging Face format is the harness's (run.export_hf).
+beside it. All ranks call `save`, `commit` and `load` (collectives).
 
-Contract:
-- `save` writes `<dir>/step_<N>.tmp/`; `commit` (at once, or when the run has written the step's
-  records) fsyncs it, writes the COMPLETE marker last and renames the folder to `step_<N>/` (N =
-  loop steps done). A crash at any point leaves either the
-  previous complete checkpoint or a `.tmp`/unmarked folder that is never loaded. The newest
-  `keep` complete checkpoints are kept.
-- `find(resume, dir, loop, world_size)`: "" = fresh; "auto" = the newest complete checkpoint that
-  passes `check` (fresh if none; broken ones are skipped with a line); else a folder, which must be
-  complete and pass `check`: loop state whole, the same loop and world size, every shard present
-  and non-empty, all told from the files before the model or the engine is built. `load` raises
-  CheckpointError naming the folder when it is still unreadable, before the run touches anything.
-- Nothing is unpickled blindly. torch's DCP reads a checkpoint's `.metadata` with plain
-  `pickle.load` and its non-tensor items with `torch.load(weights_only=False)`, so a crafted
-  checkpoint could run code on resume. `load` reads `.metadata` with an unpickler that admits only
-  the classes DCP's metadata is made of (`_SafeUnpickler`), and checks every non-tensor item with
-  `torch.load(weights_only=True)` before DCP reads it (`_SafePlanner`); anything else is refused
-  with an error that names the file. Tensors go through `torch.load(weights_only=True)` (DCP),
-  the loop state is JSON, the RNG states safetensors.
-- Every parameter's shape is compared with the checkpoint's, naming the first that differs (a
-  checkpoint of another model shape): by `check_shapes` before the run writes anything (models on
-  the meta device), and by `load` before anything is read.
-All ranks call `save` and `load` (they are collectives).
+- `save` writes `<dir>/step_<N>.tmp/`; `commit` fsyncs it, writes the COMPLETE marker last, renames
+  it to `step_<N>/` and prunes to the newest `keep`. A crash leaves the previous complete checkpoint
+  or an unmarked folder, which is never loaded.
+- `find` / `check`: "" is fresh, "auto" the newest complete checkpoint that passes (broken ones
+  skipped with a line), else a folder that must pass; told from the files alone (loop state, loop,
+  world size, every shard whole) before any model or engine is built.
+- Nothing is unpickled blindly: DCP's `.metadata` goes through an unpickler that admits only DCP's
+  own classes, and each non-tensor item must load with `weights_only=True` first; the loop state is
+  JSON, the RNG states safetensors. Every parameter's shape is compared with the checkpoint's.
 """
 
 from __future__ import annotations
@@ -60,12 +47,9 @@ def _complete(path: str) -> bool:
 
 def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | None = None,
          steps: int | None = None, owner: dict | None = None) -> str | None:
-    """The checkpoint to resume, checked (`check`) before anything is built when `loop` is given:
-    an explicit folder that fails is refused; `auto` takes the newest complete one that passes,
-    saying which broken ones it skipped. `steps` (--steps): refused when the checkpoint already
-    holds that many, rather than a run that trains nothing and rewrites the run's config. `owner`:
-    the run directory's identity (`{"run", "line", "from"}`, launch.identity): `auto` takes only a
-    checkpoint of its line, or of an earlier line up to the step the current one started from."""
+    """The checkpoint to resume, checked (`check`) when `loop` is given: a named folder that fails is
+    refused; `auto` takes the newest that passes, of this run's line (`owner`, launch.identity) or an
+    earlier line up to where this one started. Refused when it already holds `steps` steps."""
     path = _find(resume, ckpt_dir, loop, world_size, owner or {})
     if path and steps is not None and steps_done(path) >= steps:
         raise CheckpointError(f"--steps={steps}: {path} already holds {steps_done(path)} steps, so nothing is left "
@@ -104,11 +88,9 @@ LOOP_KEYS = {"grpo": ("optimizer_steps", "skipped", "probe_done"), "ppo": ()}  #
 
 
 def check(path: str, loop: str, world_size: int) -> None:
-    """What a complete checkpoint must be for this run, told from its files alone (nothing is built
-    yet): its loop state whole and written by this loop (`grpo` or `ppo`) at this world size (the
-    train ranks), every rank's DCP shard and RNG state present and non-empty, its metadata made of
-    DCP's own classes only (`_SafeUnpickler`; a crafted one is refused unrun), and every data file
-    as long as the metadata says (a file cut short by a crash or a full disk)."""
+    """What a complete checkpoint must be for this run, from its files alone: its loop state whole and
+    of this loop and world size, every rank's shard and RNG state present, its metadata DCP's classes
+    only (`_SafeUnpickler`), every data file as long as the metadata says."""
     state = _state(path)
     if state.get("loop", loop) != loop:
         raise CheckpointError(f"checkpoint {path} was written by minirl.{state['loop']}; this is minirl.{loop}")
@@ -181,10 +163,9 @@ def require_finite(models: dict) -> None:
 
 
 def save(ckpt_dir: str, steps_done: int, parts: dict, loop_state: dict, keep: int, complete: bool = True) -> str:
-    """parts: {name: (model, optimizer)}, e.g. {"policy": ...} for GRPO, policy and value for PPO.
-    A model with a non-finite parameter is never written (`require_finite`). `complete=False`: the
-    data only, under the `.tmp` name; `commit` makes it count later (once the run's history of the
-    step is written: a checkpoint never claims a step its run's metrics do not hold)."""
+    """parts: {name: (model, optimizer)}. A non-finite model is never written (`require_finite`).
+    `complete=False`: the data only, under `.tmp`; `commit` makes it count once the run's records of
+    the step are written."""
     require_finite({name: model for name, (model, _) in parts.items()})
     rank = torch.distributed.get_rank()
     final = os.path.join(ckpt_dir, f"step_{steps_done:08d}")
@@ -243,9 +224,8 @@ def commit(ckpt_dir: str, steps_done: int, keep: int) -> str:
 
 
 def _cause(e: BaseException, ckpt_dir: str, parts: dict) -> str:
-    """What went wrong under a failed save. DCP wraps each rank's error in a CheckpointException, and
-    torch's writer reports a full disk as "unexpected pos" rather than ENOSPC, so a file system
-    with less room than this rank's shard is named for what it is."""
+    """What went wrong under a failed save: DCP wraps each rank's error, and torch's writer reports a full
+    disk as "unexpected pos", so too little room for this rank's shard is named as such."""
     seen = [x[0] if isinstance(x, tuple) else x for x in getattr(e, "failures", {}).values()] + [e]
     todo = list(seen)
     while todo:
@@ -404,9 +384,7 @@ def load_model(path: str, part: str, model: torch.nn.Module) -> None:
 
 
 def report_lr(optimizer, next_lr: float, flag: str, say) -> None:
-    """A resumed run's learning rate has one source, the schedule the flags give now (`lr_schedule`,
-    set before every optimizer step), never the rate the checkpoint's optimizer was saved with.
-    Says so when the two differ, with the rate the next step trains at."""
+    """The flags' schedule sets a resumed run's rate, never the checkpoint's optimizer: say so when they differ."""
     saved = sorted({g["lr"] for g in optimizer.param_groups})
     if saved != [next_lr]:
         say(f"{flag}: the checkpoint's optimizer was at lr {', '.join(f'{x:g}' for x in saved)}; the schedule "

@@ -1,14 +1,10 @@
 """A command's flags: tyro's for its dataclass, with `--config FILE` beneath them.
 
-- `parse(cls, argv, description)`: tyro's flags for the dataclass `cls`. `--config FILE` (YAML or
-  JSON, nested like the flags: `{"rl": {"lr": 1e-5}}`) gives the defaults and the flags beside it
-  win, so a run's own config.json reruns that run and `--config run/config.json --steps 800`
-  continues the same recipe for longer. A key the dataclass does not have, or a value its flag would
-  refuse, is an error naming it (`fill`), with minirl's name for a TRL or verl one (`elsewhere`). A
-  file never sets the run's own switches (`--log.run-dir`, `--log.overwrite`, `--checkpoint.resume`,
-  `--checkpoint.dir`): rerunning another run's config.json must not write into, resume or wipe that
-  run. YAML aliases, nesting deeper than 32, a key given twice and files over 64 KiB are refused
-  before anything is expanded (`_read`).
+`--config FILE` (YAML or JSON, nested like the flags) gives the defaults and the flags beside it win,
+so a run's own config.json reruns that run. An unknown key or a value its flag would refuse is an
+error naming it, with minirl's name for a TRL or verl one. A file never sets the run's own switches
+(run dir, overwrite, resume, checkpoint dir); aliases, deep nesting, a key given twice and files over
+64 KiB are refused before anything is expanded.
 """
 
 from __future__ import annotations
@@ -117,11 +113,9 @@ def elsewhere(name: str, loop: str) -> str:
 
 
 def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", loop: str = ""):
-    """`instance` with the values of `data` (nested dicts for nested dataclasses), each checked
-    against its field's type as the flag's parser would (`_typed`). A key is the flag's name with `-`
-    or `_` (one spelling per flag). `lenient`: skip what this command does not have (another command's
-    run config), instead of refusing it. `skip`: flags never taken from a file (`log.run_dir`, ...).
-    `loop`: the command's loop, for the hint that names minirl's flag for a TRL or verl key."""
+    """`instance` with the values of `data` (nested dicts), each checked as its flag's parser would.
+    `lenient`: skip keys this command lacks; `skip`: flags never taken from a file; `loop`: for the hint
+    naming minirl's flag for a TRL or verl key."""
     fields = {f.name: f for f in dataclasses.fields(instance)}
     types = typing.get_type_hints(type(instance))
     seen: dict[str, str] = {}

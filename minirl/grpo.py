@@ -3,15 +3,13 @@
     python -m minirl.grpo --steps 20                            # one process, CPU, built-in task
     torchrun --nproc-per-node 2 -m minirl.grpo --steps 20       # two ranks: FSDP2 over gloo/NCCL
 
-Each loop step: sample G completions for P prompts with vLLM -> score -> group advantages ->
-(mu_iterations x) n_mini optimizer steps of n_micro forward/backward chunks each -> publish the
-new weights to the engine -> report. Weight sync, the reward report and evaluation happen once
-per collected batch, never per optimizer step (B4). What runs around a step (the log, resume,
-signals, the save and eval schedule, the export) is the harness's (run.py), in a line each.
+Each step: sample G completions for P prompts -> score -> group advantages -> (mu_iterations x)
+n_mini optimizer steps of n_micro chunks each -> publish the weights -> report, once per collected
+batch (B4). The harness (run.py) runs around it in a line each.
 
-How it departs from the GRPO paper: no reference KL unless --rl.kl-coef > 0; the loss is by default a
-token mean over the whole mini-batch (DAPO-style; --rl.loss-agg-mode seq-mean-token-mean is the paper's),
-made exact under micro-batching by the deferred divisor (accumulator.py).
+Departures from the GRPO paper: no reference KL unless --rl.kl-coef > 0; by default a token mean over
+the mini-batch (DAPO-style; --rl.loss-agg-mode seq-mean-token-mean is the paper's), exact under
+micro-batching by the deferred divisor (accumulator.py).
 
 Shapes: P prompts, G = group_size, B = P*G sequences (B_r on this rank), T tokens.
 """
@@ -27,7 +25,7 @@ from minirl.accumulator import Accumulator, across_ranks, lr_schedule, roll_up
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.config_grpo import GRPOArgs
 from minirl.gae import group_advantages
-from minirl.logger import sample_metrics, training_rows
+from minirl.logger import engine_log, sample_metrics, training_rows
 from minirl.models import token_logprobs as score
 from minirl.objective import logprob_gap, policy_loss
 from minirl.offload import HandOff, Together, TrainerOffload
@@ -67,7 +65,8 @@ def train(ready: launch.Ready) -> dict:
     probe = Probe(policy)
     with run.phase("build_engine", announce="building the vLLM engine"):
         engine = Engine(ready.path, args.rollout, ready.max_model_len, world.engine_device, dtype=args.model.dtype,
-                        seed=args.seed, sleep_mode=rl.colocated_offload, log_file=run.engine_log)
+                        seed=args.seed, sleep_mode=rl.colocated_offload,
+                        log_file=engine_log(args.log, world.rank, dp > 1))
     handoff = hand_off(engine, policy, optimizer, ref, args, run.mark)
     run.checkpoints({"policy": (policy, optimizer)},
                     lambda: {"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
@@ -133,9 +132,7 @@ def train(ready: launch.Ready) -> dict:
 
 
 def hand_off(engine, policy, optimizer, ref, args: GRPOArgs, mark=None) -> HandOff:
-    """The card's hand-off between the engine and all the trainer holds: the policy with its optimizer,
-    and the frozen reference (B20); the engine gets the policy in the compute dtype. `mark`: the run
-    log's profile (each hand-off step a mark)."""
+    """The card's hand-off between the engine and all the trainer holds (policy, optimizer, reference; B20)."""
     trainer = Together(TrainerOffload(policy, optimizer), *([TrainerOffload(ref)] if ref is not None else []))
     return HandOff(engine, trainer, lambda: dist.full_parameters(policy, models.DTYPES[args.model.dtype]),
                    enabled=args.rl.colocated_offload, sleep_level=args.rollout.sleep_level, mark=mark)
@@ -145,14 +142,11 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
            ahead: bool) -> tuple[list[dict], list[dict]]:
     """Train on one collected batch: mu_iterations x n_mini optimizer steps of planned micro-batches.
 
-    The (mini, micro) loop passes indices only; the store materializes this rank's rows on the
-    trainer's device (B3). pi_old: the ahead pass's record when `ahead` (B17); else the engine's
-    logprobs under --rl.use-rollout-logprobs-for-loss; else `logp.detach()`, exact when nothing
-    moved yet (B5). The reference scores a chunk before the policy does, so its activations are
-    gone before the policy's graph is built. `grpo_logprob_gap`: mean |trainer - engine| logprob
-    on the calls scored at the sampling weights (the engine's kernels differ from the trainer's).
-    Returns the per-call objective metrics and the per-step accumulator metrics.
-    """
+    The loop passes indices only; the store materializes the rows on the trainer's device (B3). pi_old:
+    the ahead pass's record when `ahead` (B17); else the engine's logprobs under
+    --rl.use-rollout-logprobs-for-loss; else `logp.detach()`, exact while nothing has moved (B5). The
+    reference scores a chunk before the policy, so its activations are gone before the policy's graph.
+    Returns the per-call objective metrics and the per-step accumulator metrics."""
     rl = args.rl
     policy.train()
     old_logps = ahead_pass(policy, store, probe) if ahead else None
@@ -191,11 +185,8 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
 
 @torch.no_grad()
 def ahead_pass(policy, store: RolloutStore, probe: "Probe") -> list[torch.Tensor]:
-    """pi_old for every planned chunk, scored in eval() before any optimizer step (B17).
-
-    Keyed by call order: the training loop walks the same (mini, micro) plan in the same order.
-    The first chunk of the run also feeds the one-shot determinism probe (B19).
-    """
+    """pi_old for every planned chunk, scored in eval() before any optimizer step (B17), keyed by call
+    order; the run's first chunk also feeds the determinism probe (B19)."""
     out = []
     policy.eval()
     for mini, micros in enumerate(store.plan):
@@ -209,14 +200,9 @@ def ahead_pass(policy, store: RolloutStore, probe: "Probe") -> list[torch.Tensor
 
 
 class Probe:
-    """One-shot screen for a stochastic forward (spec: "The determinism probe").
-
-    On the first ahead chunk of a run, re-score it in train() mode at unchanged weights and
-    compare with the eval() record. Fails when the mesh-wide fraction of completion tokens whose
-    logprob moved more than the model's declared per-token bound exceeds its tolerance. A model
-    declares them as `config.minirl_forward_noise = {"nats": ..., "tolerance": ...}`; one that
-    declares none gets the strict gate: 0.05 nats on any token.
-    """
+    """One-shot screen for a stochastic forward (B19): the run's first ahead chunk re-scored in train() at
+    unchanged weights must not move more than the model's declared share of tokens by more than its
+    declared bound (`config.minirl_forward_noise = {"nats", "tolerance"}`; by default no token moves 0.05 nats)."""
 
     def __init__(self, policy, done: bool = False):
         declared = getattr(policy.config, "minirl_forward_noise", None) or {}

@@ -1,28 +1,15 @@
-"""The command layer: flags (with `--config FILE`) in, every check before a loop starts, an exit code out.
+"""The command layer: flags in, every check before a loop starts, an exit code out.
 
-- `parse` (flags.py): the flags, with `--config FILE` beneath them.
-- `preflight(cls, argv, loop)`: what a loop starts from, every check done first, before
-  any model, engine or process group is built: the flags and `--config`, the `--dry-run` branch (the
-  only way into the tools, minirl/tools/, and lazily), validation for the launch's world, the model
-  folder and what the engine can run, the task (its prompts checked, its reward functions imported),
-  the checkpoint to resume (its files, and its shapes against the model's), and the run directory's
-  claim (`claim`).
-- `claim(args, resume)`: one live run owns a run directory and its checkpoint folder, wherever that is
-  (kernel locks, `<folder>/.lock`, that die with their process; a second run on either exits 2 naming
-  the holder); `--checkpoint.resume auto` in a run directory that holds a run but no complete
-  checkpoint is refused; `--log.overwrite` removes the old run's metrics, config, final/, logs and its
-  checkpoints first, so neither a resume nor a prune ever mixes two runs. The run's identity
-  (`run.json`: the run and its line of checkpoints, `begin`) is stamped on every checkpoint; a
-  checkpoint folder holding another run's is refused (`owned_checkpoints`), and a resume by path from
-  an older checkpoint sets the newer ones aside. (The checks that need no lock are
-  `config._check_run_dir`, in every `validate`.)
-- `run(name, main, argv)`: the console scripts (`minirl-grpo`, ...) and `python -m` both go
-  through it: exit 0 on success; 2 with one line on a bad flag, file or checkpoint, or a reward
-  function past --task.reward-timeout; 1 with one line when a reward function failed during the run
-  (`rewards.RewardError`, naming it); 3 with one line when a run stopped because it could no longer
-  learn; 4 with one line when a rank lost a peer
-  (another rank, its node, or the run's store; `dist.lost_peer`); and the process group is torn down
-  before the process leaves (without the interpreter's teardown, see `leave`).
+- `preflight(cls, argv, loop)`: the flags and `--config` (flags.py), the `--dry-run` branch (the
+  tools' one door, lazily), validation for the launch's world, the model folder and engine checks,
+  the task with its reward functions, the checkpoint to resume (its files and shapes), and the claim
+  of the run directory, all before any model, engine or process group is built.
+- `claim`: one live run owns a run directory and its checkpoint folder (kernel locks that die with
+  their process); the run's identity (`run.json`, `begin`) is stamped on every checkpoint, so a folder
+  holding another run's checkpoints is refused and a resume by path starts a new line.
+- `run(name, main, argv)`: every command goes through it: exit 0; 2 with one line for a bad flag,
+  file or checkpoint, or a reward past its timeout; 1 for a failed reward function; 3 for a run that
+  can no longer learn; 4 for a lost peer; 130 for a Ctrl-C outside the steps.
 """
 
 from __future__ import annotations
@@ -67,9 +54,7 @@ class Ready:
 
 
 def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
-    """Parse and check everything a run of `loop` (the loop's module) needs, in the order a bad input is
-    cheapest to find; None after a dry run (nothing was loaded or built, the plan was printed). `--help`
-    describes the command by its flags' class docstring, written for users."""
+    """Parse and check everything a run of `loop` needs, cheapest first; None after a dry run."""
     args = parse(cls, argv, inspect.cleandoc(cls.__doc__))
     if args.dry_run:  # the tools' one door: the plan (and the rehearsal), or the rehearsal's child run
         if os.environ.get("MINIRL_REHEARSAL_CHILD") == "1":
@@ -131,11 +116,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
 
 
 def leave(code: int = 0) -> None:
-    """Exit now, without the interpreter's teardown, once everything written is closed (metrics,
-    checkpoints, the engine, the process group): C++ threads of the libraries underneath can abort
-    there ("terminate called without an active exception", seen about once in ten multi-rank runs
-    after a complete run, and in CI after a two-rank test script had passed), which would turn a
-    finished run into a failed one. The test scripts under tests/dist leave the same way."""
+    """Exit without the interpreter's teardown once everything is closed: C++ threads of the libraries
+    underneath can abort there ("terminate called without an active exception", about one multi-rank
+    run in ten), which would fail a finished run."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -194,9 +177,8 @@ def claim(args, resume: str | None) -> dict:
 
 
 def begin(args, resume: str | None) -> dict:
-    """The run's identity in run.json: a new run when it starts fresh; the same run and line on `auto`;
-    a new line from the checkpoint a resume by path names, the newer checkpoints of the line it leaves
-    moved (never deleted) to `<checkpoint dir>/set_aside/<time>/`, so `auto` never goes back to them."""
+    """The run's identity in run.json: new when fresh, kept on `auto`, a new line on a resume by path,
+    whose newer checkpoints are moved to `<checkpoint dir>/set_aside/<time>/` (never deleted)."""
     new, owner = uuid.uuid4().hex[:12], identity(args.log.run_dir)
     start = checkpoint.steps_done(resume) if resume else 0
     if not resume or not owner:

@@ -1,21 +1,11 @@
-"""The run log: phase timers, one metrics.jsonl record per step, one console line per step, and
-every eval's held-out completions in samples.jsonl.
+"""The run log: phase timers, one metrics.jsonl record and one console line per step, and the held-out
+(and, asked for, training) completions in samples.jsonl; TensorBoard and W&B get the same numbers.
 
-Phases (`RunLog.phase`) are timed into `time/<name>`. Under `MINIRL_PROFILE_LOOP=1` each phase's end is
-also a profile mark (`mark`: its wall time and the device's memory, B27), and so is each finer step that
-marks itself inside one (the colocated hand-off's sleep, onload, sync ...); the step's marks go into its
-record as `<loop>_step`.
-
-Only rank 0 writes. Records are flushed line by line, so a crashed run keeps every finished
-step. A resumed run keeps the steps before its checkpoint: each history is rewritten to a
-temporary file, fsynced and renamed over metrics.jsonl (and samples.jsonl) before anything slow
-starts, so a kill at any moment leaves either the old history or the kept one, never an empty file.
-Keys: `step`, `reward_mean` and `reward/<function>`, the objective's rolled-up metrics, and
-`time/<phase>`. samples.jsonl: one line per held-out prompt per eval, `step`, `eval_version`,
-`prompt`, `completion`, `answer`, `reward`, `clipped`; the console shows the first --log.samples.
-With --log.train-samples N, each step's first N training rollouts too (`split: "train"`, `training_rows`).
-metrics.jsonl is always written; TensorBoard (`--log.tensorboard`) and Weights & Biases
-(`--log.wandb-project`) get the same numbers when asked for, and need their optional extras.
+Only rank 0 writes, line by line, so a crashed run keeps every finished step. A resumed run keeps the
+steps before its checkpoint: each history is rewritten to a temporary file, fsynced and renamed, so a
+kill leaves the old history or the kept one. Under MINIRL_PROFILE_LOOP=1 every phase's end (and every
+finer mark inside one) is a profile mark of time and memory, recorded as `<loop>_step` (B27).
+The keys are listed in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -72,9 +62,8 @@ class RunLog:
 
     @contextlib.contextmanager
     def phase(self, name: str, announce: str = "", extra=None):
-        """Time a phase of the current step into `time/<name>` (accumulates if entered twice), and mark
-        its end in the profile unless a finer mark closed inside it. `announce`: a long one-off phase
-        says what it is doing, and when it is done. `extra()`: more numbers for the phase's mark."""
+        """Time a phase into `time/<name>` (accumulated) and mark its end in the profile; `announce`: say what
+        a long phase does and when it is done; `extra()`: more numbers for its mark."""
         t0, marks = time.perf_counter(), len(self.profile.get("phases", ()))
         if announce:
             self.info(f"{announce} ...")
@@ -223,10 +212,8 @@ def engine_log(log_cfg, rank: int, several: bool) -> str | None:
 
 def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], clipped: list[bool],
                    parts: dict | None = None) -> dict:
-    """The step's samples over every rank (a collective; each rank passes its own whole groups):
-    reward mean and std, each reward function's mean (`parts`: name -> its values), the share of
-    groups whose rewards are all equal (no learning signal), completion lengths, and the share of
-    completions cut at --rollout.max-tokens."""
+    """The step's samples over every rank (a collective): reward mean and std, each function's mean, the
+    share of groups without signal, completion lengths, the share cut at --rollout.max-tokens."""
     r = rewards.double().view(-1, group_size)                                        # (groups, G)
     parts = {name: torch.as_tensor(v, dtype=torch.float64) for name, v in (parts or {}).items()}
     applies = [(~v.isnan()).sum() for v in parts.values()]  # a TRL reward's None (NaN) is left out of its mean
@@ -255,10 +242,8 @@ def training_rows(tok, prompts: list, completions: list, rewards, parts: dict, c
 
 
 def memory_peak_gib(device: torch.device, over_ranks: bool = True) -> float:
-    """The largest memory held since the last call: the card's allocated peak (reset here), or on CPU
-    the process's resident high-water mark (never reset). `over_ranks`: the max over the default
-    group's ranks (a collective); a rollout rank passes False, since its default group is vLLM's
-    world (NCCL on CUDA) and nothing of minirl's may run a collective there."""
+    """The peak memory since the last call (the card's, reset here; the process's RSS on CPU).
+    `over_ranks`: the max over the default group; a rollout rank passes False (its group is vLLM's)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
@@ -283,9 +268,8 @@ SHOWN = [("reward_mean", "reward"), ("eval_accuracy", "eval_acc"), ("grpo_loss",
 
 
 def console_line(r: dict, total: int = 0, eta: float | None = None, first: bool = False) -> str:
-    """One step's line; `first`: the run's first step, whose time includes the engine's first-call warm-up.
-    A step's line counts the steps done with it (`step 20/20` after the last, as its checkpoint is named);
-    an eval-only record (before training, or the last version's eval) is at the steps done before it."""
+    """One step's line, counting the steps done with it (`step 20/20` after the last); `first`: its time
+    includes the engine's warm-up."""
     step = r.get("step", "?") + ("reward_mean" in r)
     parts = [f"step {step:>4}/{total}" if total else f"step {step:>4}"]
     for key, label in SHOWN:

@@ -23,11 +23,9 @@ from minirl.batch import Layout
 from minirl.config import TINY, ConfigError, ModelConfig
 
 
-
 def resolve_path(cfg: ModelConfig) -> str:
-    """Return a local folder holding config.json and a tokenizer, or raise ConfigError naming --model.path.
-    The folder is checked before anything is loaded: config.json parses, and every safetensors
-    file holds all the bytes its header promises (a truncated download fails here, not mid-load)."""
+    """A local folder holding config.json and a tokenizer, checked whole (`check_folder`) before anything
+    is loaded, or a ConfigError naming --model.path."""
     if cfg.path == TINY:
         from minirl.tasks import build_tiny  # the built-in task's model
         return build_tiny(cfg.tiny)
@@ -49,8 +47,7 @@ def resolve_path(cfg: ModelConfig) -> str:
 
 
 def check_folder(path: str) -> None:
-    """A Hugging Face model folder minirl can load: a config.json that parses and names its model type,
-    a tokenizer, whole safetensors files."""
+    """A Hugging Face folder minirl can load: a config.json naming its model type, a tokenizer, whole safetensors."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")
@@ -102,8 +99,7 @@ def _quiet_loading() -> None:
 
 
 def load_policy(path: str) -> nn.Module:
-    """The policy in float32: its parameters are the optimizer's master weights. Forward and
-    backward compute in `--model.dtype` through FSDP2's mixed precision (dist.shard)."""
+    """The policy in float32: its parameters are the optimizer's master weights (computing in --model.dtype)."""
     _quiet_loading()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -112,8 +108,7 @@ def load_policy(path: str) -> nn.Module:
 
 
 def load_reference(path: str, dtype: str = "float32") -> nn.Module:
-    """The frozen policy at its starting weights, for the KL penalty. It never steps, so it is
-    stored in the compute dtype (no master copy to keep)."""
+    """The frozen starting policy for the KL penalty, stored in the compute dtype (it never steps)."""
     _quiet_loading()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
@@ -125,13 +120,9 @@ def load_reference(path: str, dtype: str = "float32") -> nn.Module:
 class ValueModel(nn.Module):
     """The policy's backbone with a scalar head per token: (B, T) ids -> values (B, T).
 
-    Column t is V of the prefix BEFORE token t, the state in which token t was chosen, so it
-    lines up with `token_logprobs` column t (the action). Reading the head at position t itself
-    would let the baseline see the action it judges (for the last token it would already
-    predict the reward, and the advantage of the deciding token would vanish). Column 0 is 0.
-    Attribute `model` is the backbone so FSDP wrapping (dist.shard) finds its decoder blocks.
-    The head starts at zero: the critic's first predictions are 0, not noise.
-    """
+    Column t is V of the prefix BEFORE token t, the state in which token t was chosen, so it lines up
+    with `token_logprobs` column t (the action); read at t itself the baseline would see the action it
+    judges. Column 0 is 0, and the head starts at zero."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
@@ -149,14 +140,12 @@ class ValueModel(nn.Module):
 
 
 def value_head(hidden: torch.Tensor, score: nn.Linear) -> torch.Tensor:
-    """(B, T, H) -> (B, T) float32, computed in float32 (the head is one row: the cast is cheap), where
-    a bf16 result would round each value to 8 bits of mantissa."""
+    """(B, T, H) -> (B, T), computed in float32 (a bf16 value keeps 8 bits of mantissa)."""
     return nn.functional.linear(*(wide(t) for t in (hidden, score.weight, score.bias))).squeeze(-1)
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
-    """`t` in float32 at least: a compute-dtype (bf16) tensor is cast up, a float64 one (the tests' exact
-    references) stays as it is."""
+    """`t` in float32 at least (a float64 test reference stays float64)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
@@ -170,8 +159,7 @@ def load_value(path: str) -> ValueModel:
 
 
 def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
-    """The models of `kinds` ("policy", "value") built on the meta device from the folder's config: their
-    parameters' names and shapes, without a byte of weights (what a checkpoint is checked against)."""
+    """The models of `kinds` built on the meta device from config.json: names and shapes, no weights."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
     build = {"policy": lambda: AutoModelForCausalLM.from_config(config),
@@ -182,17 +170,11 @@ def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
 
 def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,
             checkpointing: bool = False) -> nn.Module:
-    """The trainer's models as both entrypoints build them: loaded (policy and value in float32
-    master weights, the frozen reference in `dtype`), then FSDP2-sharded to compute in `dtype`
-    (`--model.dtype`) on the world's device (dist.shard).
-
-    Two checks on the loaded float32 weights decide how a model computes, before it is sharded:
-    `pack` (--model.packing): train padding-free (`model.pack_rows`) if the model keeps packed rows
-    apart (`packing_error`); and the policy's chunked logprob head is used only where it equals the
-    model's own logits (`model.chunked_head`, `chunked_head_error`). The reference shares the
-    policy's architecture: it takes both verdicts from `like`, the policy. `checkpointing`
-    (--model.activation-checkpointing): the policy's and critic's blocks recompute in backward
-    (`checkpoint_blocks`); the reference never runs backward."""
+    """The trainer's models as both loops build them: loaded (float32 masters; the reference in `dtype`),
+    then FSDP2-sharded to compute in `dtype` on the world's device. Before sharding, two checks on the
+    float32 weights decide how the model computes: `pack` trains padding-free where the model keeps
+    packed rows apart (`packing_error`), and the chunked logprob head is used where it equals the
+    model's own logits (`chunked_head_error`); the reference takes both verdicts from `like`."""
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
     model = load(path)
     if like is not None:
@@ -204,8 +186,7 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
 
 
 def shard_built(model: nn.Module, kind: str, world, dtype: str, checkpointing: bool = False) -> nn.Module:
-    """The end of `sharded`, for a model already built (the CPU rehearsal builds its own on the meta
-    device): the trained models' blocks checkpointed if asked, then FSDP2 computing in `dtype`."""
+    """The end of `sharded` for a model already built (the rehearsal builds its own on the meta device)."""
     from minirl import dist
     if checkpointing and kind != "reference":
         checkpoint_blocks(model)
@@ -213,12 +194,9 @@ def shard_built(model: nn.Module, kind: str, world, dtype: str, checkpointing: b
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """Activation checkpointing per decoder block: under autograd each block's forward runs inside a
-    non-reentrant `torch.utils.checkpoint`, which keeps only the block's inputs and reruns it in
-    backward. The block's own forward is wrapped, not the block, so parameter names stay those of the
-    Hugging Face model (checkpoints, export, weight sync) and FSDP2's hooks stay outside the
-    checkpoint (its pre-backward hook gathers the block's parameters before the rerun), as torchtitan
-    wraps blocks before sharding them. No-grad forwards (reference, pi_old, values) run as before."""
+    """Activation checkpointing per decoder block: each block's own forward (not the block) recomputes in
+    backward, so parameter names stay Hugging Face's and FSDP2's hooks stay outside the checkpoint
+    (torchtitan's order). No-grad forwards run as before."""
     from minirl import dist
     for block in dist.decoder_blocks(model):
         block.forward = _recomputed(block.forward)
@@ -234,8 +212,7 @@ def _recomputed(forward):
 
 
 def load_report(asked: bool, policy: nn.Module) -> str:
-    """What the load checks decided, for the console: padding-free training, and the logprob head
-    when it falls back to full logits."""
+    """The load checks' verdicts for the console: padding-free training, and a full-logits head."""
     if policy.pack_rows:
         line = "padding-free training: on (rows packed per micro-batch; --model.no-packing pads them)"
     elif asked:
@@ -250,10 +227,8 @@ def load_report(asked: bool, policy: nn.Module) -> str:
 
 
 def chunked_head_error(model: nn.Module) -> float | None:
-    """The chunked logprob head against the model's own logits on a few tokens (float32, before
-    sharding, like `packing_error`): None when they agree to 1e-4 nats, else the largest difference.
-    A model that post-processes its logits after `lm_head` (Granite's `logits_scaling`, Cohere's
-    `logit_scale`, Gemma 2's final soft-capping) disagrees and is scored from its full logits."""
+    """None when the chunked head agrees with the model's own logits to 1e-4 nats on a few tokens, else the
+    largest difference (a model that scales or caps its logits after `lm_head`: Granite, Cohere, Gemma 2)."""
     if model.get_output_embeddings() is None:
         return float("inf")
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -283,21 +258,14 @@ LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str = False, lengths=None):
     """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
 
-    Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 has no context and is 0.
-    Sequences are right-padded, so causal attention never lets a real token see a pad.
-    `entropy=True` also returns the entropy of each next-token distribution (B, T), from the same
-    forward and without a gradient (a metric: how sure the policy is); `entropy="grad"` with its
-    gradient (an entropy bonus trains on it). `lengths` (B,): the rows'
-    real lengths, host ints; given, and the model packs (`pack_rows`, set by `sharded`), the forward runs
-    padding-free (batch.Layout) and pad columns come back 0.
+    Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. `entropy=True` also returns
+    each position's entropy (B, T) without a gradient (a metric), `entropy="grad"` with it (a bonus).
+    Given `lengths` (host ints) and a model that packs, the forward runs padding-free (batch.Layout).
 
-    Memory: a Hugging Face causal LM ends with `logits = self.lm_head(hidden)`, (B, T, V). At a
-    real vocabulary (151,936) those logits plus their float32 log-softmax cost more than the
-    model's activations, so for the length of this call `lm_head` is replaced by a head that
-    returns only the chosen tokens' logprobs: it walks the tokens in pieces of LOGITS_CHUNK
-    vocabulary entries, and under autograd each piece is recomputed in backward instead of kept.
-    It runs inside the model's own forward, so FSDP2 has gathered the head's weight as usual.
-    """
+    Memory: for the length of the call `lm_head` is replaced by a head that returns only the chosen
+    tokens' logprobs, LOGITS_CHUNK vocabulary entries at a time and recomputed in backward: at a real
+    vocabulary the (B, T, V) logits would cost more than the activations. It runs inside the model's own
+    forward, so FSDP2 has gathered the head's weight as usual."""
     if not getattr(model, "chunked_head", True) or getattr(model.config, "final_logit_softcapping", None):
         return plain_token_logprobs(model, input_ids, entropy, lengths)  # logits post-processed (sharded's check)
     return _chunked_token_logprobs(model, input_ids, entropy, lengths)
@@ -318,8 +286,7 @@ def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: 
 
 
 def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str = False, lengths=None):
-    """The same numbers from the full logits and their float32 log-softmax (the reference; and the
-    path for models whose logits are post-processed after `lm_head`)."""
+    """The same numbers from the full logits (the reference, and models whose logits are post-processed)."""
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
     logits = wide(model(input_ids=ids, position_ids=lay.positions if lay else None).logits)
@@ -333,9 +300,7 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
 
 
 def layout(model: nn.Module, input_ids: torch.Tensor, lengths) -> Layout | None:
-    """The packed layout of this batch, or None to run it padded: the model does not pack, no
-    lengths were given, or packing would save nothing (every row as long as the longest).
-    `lengths`: the rows' lengths as host ints (a list, or a CPU tensor)."""
+    """The batch's packed layout, or None to run it padded (no packing, no lengths, or nothing to save)."""
     if computed_tokens(model, input_ids, lengths) >= input_ids.numel():
         return None
     return Layout.of(_ints(lengths), input_ids.shape[1], batch.one_lane(model)).to(input_ids.device)
@@ -346,15 +311,12 @@ def _ints(lengths) -> list[int]:
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW over the model's float32 master weights, fused: one kernel for every parameter on CPU
-    and CUDA, where the default loops over tensors (about 5x the time at the demo's model size).
-    FSDP2's DTensor parameters take it as a pointwise op (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
+    """Fused AdamW over the float32 masters (one kernel for every parameter; FSDP2's DTensors take it)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths) -> int:
-    """Tokens a forward of this batch computes: the packed lanes' (what `Layout.computed` will be),
-    or rows x columns when it runs padded; `layout` packs exactly when the first is smaller."""
+    """Tokens a forward of this batch computes: the packed lanes', or rows x columns padded."""
     if lengths is None or not getattr(model, "pack_rows", False):
         return input_ids.numel()
     rows = _ints(lengths)
@@ -363,8 +325,7 @@ def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths) -> int:
 
 
 def _before(x: torch.Tensor, lay: Layout | None) -> torch.Tensor:
-    """Per-token outputs read at each token (predicting the next) -> at the token they predict:
-    column t holds position t-1's output, column 0 is 0; packed rows are unpacked to (B, T)."""
+    """Outputs at each token (predicting the next) -> at the token they predict: column t holds t-1's, column 0 is 0."""
     shifted = nn.functional.pad(x[:, :-1], (1, 0))
     return lay.unpack(shifted) if lay else shifted
 
@@ -387,12 +348,9 @@ class _ChosenLogprobs(nn.Module):
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(N, H) hidden, the head's (V, H) weight and bias, (N,) targets -> (N, 2) float32 [logprob, entropy],
-    `step` tokens of logits at a time. Nothing of a piece is kept for backward but its inputs: backward
-    recomputes each piece's logits, and sums the head's weight gradient over the pieces in float32 (each
-    piece's product leaves its matmul in float32), casting to the weight's dtype once at the end; with
-    autograd summing per-piece bf16 gradients, every piece would round the running sum to 8 bits.
-    `entropy_grad`: the entropy's gradient flows too (dH/dz = -p (log p + H)); else it is a metric."""
+    """(N, H) hidden, the head's weight and bias, (N,) targets -> (N, 2) float32 [logprob, entropy], `step`
+    tokens at a time. Backward recomputes each piece's logits and sums the weight gradient in float32
+    (per-piece bf16 sums would round at every piece). `entropy_grad`: dH/dz = -p (log p + H) flows too."""
 
     @staticmethod
     def forward(ctx, h, w, b, y, step: int, entropy_grad: bool = False):
@@ -436,10 +394,8 @@ def _piece_logprobs(h, w, b, y):
 
 
 def _float_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with a float32 (at least) result from compute-dtype inputs. A bf16 result would round every
-    logit to 8 bits of mantissa (about 0.06 at a logit of 16) before the float32 log-softmax; the products
-    are exact in float32 and the matmul accumulates in float32 anyway. On CUDA that is
-    `torch.mm(..., out_dtype=float32)` (no float copy of the head's weight); elsewhere the inputs are cast."""
+    """a @ b with a float32 result from compute-dtype inputs (a bf16 logit keeps 8 bits of mantissa);
+    `out_dtype` on CUDA, a cast elsewhere."""
     if a.dtype in (torch.float32, torch.float64):
         return a @ b
     if a.device.type == "cuda":

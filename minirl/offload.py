@@ -1,25 +1,16 @@
-"""The colocated hand-off: who holds the card while the rollout or the trainer runs.
-
-Rules B20-B27 of docs/invariants.md. One step on a colocated rank (B20):
+"""The colocated hand-off: who holds the card while the rollout or the trainer runs (rules B20-B27 in
+docs/invariants.md). One colocated step (B20):
 
     generate -> rollout.sleep -> trainer.onload -> train -> rollout.wake_up(weights)
              -> weight_sync -> trainer.offload -> rollout.wake_up(kv_cache) -> next generate
 
-- `TrainerOffload` moves the trainer's parameters, gradients and optimizer state to host
-  copies and back, bit-exactly. It works on storages: each tensor's storage is copied into its
-  slice of ONE host buffer and then resized to 0 bytes, so the release is real and observable on
-  CPU too (storage size 0 while offloaded); onload resizes and copies back, so every view (FSDP2's
-  sharded parameters are views into padded storages) sees its data again. The buffer is made
-  once, at the logical size, and page-locked in place on CUDA (`cudaHostRegister`): one pinned
-  tensor per storage would each be rounded up to a power of two by torch's caching host
-  allocator (about 45 GB per train rank at 7B), and re-pinned every step.
-  `Together` moves several models as one: nothing of the trainer (the frozen reference and PPO's
-  critic included) stays on the card while the engine is awake.
+- `TrainerOffload` moves a model's parameters, gradients and optimizer state to one host buffer and
+  back, bit-exactly, by storage: each storage is copied to its slice and resized to 0 bytes (so the
+  release is real, even on CPU), and onload restores it under every view (FSDP2's shards are views).
+  The buffer is page-locked in place once on CUDA, not one pinned tensor per storage (torch's
+  caching host allocator rounds each up to a power of two). `Together` moves several as one.
 - `HandOff` drives the engine and the trainer in that order, and owns the checkpoint windows
-  (B22-B23) and the exceptional-exit rule (B24). With `rl.colocated_offload=false`, or under
-  disaggregated placement, it does nothing but the weight sync (B26).
-- `MINIRL_PROFILE_LOOP=1`: each hand-off step marks itself in the run log's profile (`mark`,
-  logger.RunLog.mark: time and device memory at every boundary, B27).
+  (B22-B23) and the exceptional exit (B24); disabled, it only syncs the weights (B26).
 """
 
 from __future__ import annotations
@@ -75,9 +66,7 @@ class TrainerOffload:
         self.offloaded = True
 
     def _check_grads_survive(self) -> None:
-        """Resident gradients need storage of their own: a trainer whose gradients live in its
-        parameters' storage (a flat fused buffer, a low-precision format that packs both) would lose
-        them here. No minirl setup does; a fork that builds one is refused before its first update."""
+        """Refuse a trainer whose gradients share its parameters' storage: they would be lost here."""
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
         params = {_key(local(p).untyped_storage()): n for n, p in self.model.named_parameters()
                   if local(p).untyped_storage().nbytes()}
@@ -195,10 +184,9 @@ class HandOff:
         self._do("checkpoint.save", save)
 
     def save_after_publication(self, save) -> None:
-        """Validation and emergency saves (B23): the rollout sleeps again and the trainer comes back
-        for an exclusive window. A failed save leaves the rollout asleep and re-raises. After a
-        level-2 save the engine's weights are gone: a full weight sync runs before the KV cache wakes.
-        At level 1 the engine's own host copy comes back: the weights have not changed, no sync."""
+        """Validation and emergency saves (B23): the rollout sleeps again and the trainer comes back for a
+        window of its own; a failed save leaves the rollout asleep. After a level-2 sleep a full weight sync
+        follows; at level 1 the engine's own copy comes back."""
         self.to_trainer()
         self._do("checkpoint.save", save)  # raises with the rollout asleep
         if not self.enabled:
@@ -211,9 +199,7 @@ class HandOff:
         self._do("rollout.wake_up(kv_cache)", self.engine.wake_up, ["kv_cache"])
 
     def cleanup(self) -> None:
-        """On an exceptional exit: put the rollout to sleep (idempotent; re-releases weights after a
-        weights-only wake) so finalization can drain. Never raises: the error that brought us here
-        is the one the caller re-raises (B24)."""
+        """On an exceptional exit: the rollout to sleep, never raising (B24)."""
         if not self.enabled:
             return
         dist.quietly(lambda: self._do("rollout.sleep", self.engine.sleep, self.level))  # reported, not raised

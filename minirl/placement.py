@@ -1,33 +1,18 @@
-"""Where PPO's groups come from: the two placements behind `ppo.train` (S13, S23).
+"""Where PPO's groups come from: the two placements behind `ppo.train` (S13, S23; the walk-through is
+docs/guide-streaming.md). Both are group sources with the same few calls: `start`, `chunks(step, ready)`
+(yields the groups taken and this rank's group tensors), `refit`, `times`, `release`, `evals`,
+`final_eval`, `save`, `rollout_memory_gib`, `stop`, `cleanup`, `close`.
 
-The trainer loop asks a group source for the same few things every step: `chunks(step, ready)`
-(yields (groups taken, this rank's group tensors, batch.as_group)), `refit(version, policy)`,
-`times()` (the step's wait for its first chunk and its tail), `release(step)`, `evals(version)`,
-`save(fn)`, `rollout_memory_gib()` (the rollout ranks' memory peak); and `start` (which runs a
-resumed run's checkpoint load when the placement allows it, B25), `final_eval`, `stop`, `cleanup`,
-`close` around the run.
+- disaggregated: `StoreGroups` on the train ranks, `rollout_rank` on ranks [0, R). Rollout rank r
+  generates the step's groups i with i % R == r, a few per vLLM call, and puts each finished group on
+  the run's TCPStore; before every call it takes the versions the trainer announced, in order, and
+  waits for version >= s - max_lookahead_versions (S23). Train rank 0 polls, asks the sampler for
+  the next chunk (S16) and tells the other train ranks which groups it took. Weights go over the
+  refit group (refit.py); the store only announces them.
+- colocated (`EngineGroups`, full batch only): every rank generates its share with its own engine,
+  which sleeps through the whole update until the refit after critic training (S13).
 
-- disaggregated (`StoreGroups` on the train ranks, `rollout_rank` on the others): ranks [0, R)
-  only generate; ranks [R, N) only train. Rollout rank r generates the step's groups i with
-  i % R == r, a few groups per vLLM call, so groups finish in waves; each finished group (token
-  ids, engine logprobs, rewards, the policy version that sampled it) goes to a TCPStore at once.
-  Before every vLLM call a rollout rank takes each policy version the trainer has announced, in
-  order, and before sampling step s it waits for version >= s - max_lookahead_versions (S23).
-  The controller (train rank 0) polls for ready groups, asks the sampler for the next chunk
-  (tail-aware selection, S16) and tells the other train ranks which groups it took.
-- the refit (refit.py): the weights go from train rank 0 to every rollout rank over the refit
-  group (gloo on CPU, NCCL on GPUs), bucket by bucket, straight into each engine's load; the
-  store only announces versions. Every rollout rank joins every weighted version's broadcast, so
-  the trainer's refit waits for the slowest rollout rank to finish its current vLLM call (smaller
-  --async-rl.rollout-groups-per-call answers sooner). The groups stay on the store: they are
-  small, finish at unpredictable times on several ranks, and a collective would need the trainer
-  to be waiting for each one.
-- colocated (`EngineGroups`, full batch only): every rank generates its share of the step's
-  groups with its own engine, which then sleeps through the whole update; the refit after critic
-  training wakes it (S13).
-
-Groups cross the store as safetensors bytes, in parts (`refit.put`, `refit.take`): nothing is unpickled.
-Shapes: P prompts, G samples per prompt, rows = groups x G.
+Groups cross the store as safetensors bytes (`refit.put`, `refit.take`): nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -59,11 +44,8 @@ POLL_S = 0.005
 # ---- disaggregated: groups cross a TCPStore, weights the refit group ----
 
 class StoreGroups:
-    """The train side of disaggregated placement. Keys: `weights/manifest` (refit.manifest),
-    `start` (the step a run begins at), `version/{v}` ("1": weights follow on the refit group;
-    "0": unchanged), `group/{s}/{i}` (one group's samples, in parts), `loaded/{r}` (the version
-    rollout rank r holds), `eval/{v}` (tasks.held_out's JSON, in parts, dropped once logged),
-    `stop`. Versions every rollout rank has taken are dropped."""
+    """The train side of disaggregated placement. Store keys: `weights/manifest`, `start`, `version/{v}`
+    ("1": weights follow on the refit group), `group/{s}/{i}`, `loaded/{r}`, `eval/{v}`, `stop`."""
 
     colocated = False
 
@@ -108,9 +90,8 @@ class StoreGroups:
             yield len(taken), [st_load(take(self.store, f"group/{step}/{i}")) for i in taken[self.world.rank::dp]]
 
     def times(self) -> dict:
-        """The step's wait for its first chunk, and its tail: from its last group ready to its update done
-        (now, after the close; bench/streaming.py). Only the controller, which polls, sees the groups ready:
-        the other train ranks have no tail."""
+        """The step's wait for its first chunk, and its tail (its last group ready to now, the update done;
+        bench/streaming.py). Only the controller, which polls, has a tail."""
         now = time.perf_counter()
         out = {"time/wait_first_chunk": self.t.get("first", now) - self.t.get("start", now)}
         if "all_ready" in self.t:
@@ -183,9 +164,9 @@ class StoreGroups:
 
 
 def rollout_rank(ready, roles: refit.Roles, store) -> None:
-    """A rollout rank's whole run: generate each step's groups as the trainer's versions allow (S23),
-    take every refit, score the versions an eval is due for (global rank 0), until the trainer stops.
-    It runs no collective: its default group is its engine's world of one (NCCL on CUDA)."""
+    """A rollout rank's whole run: each step's groups as the trainer's versions allow (S23), every refit,
+    the due evals (global rank 0), until the trainer stops. No collective: its default group is its
+    engine's world of one."""
     args, task, tok = ready.args, ready.task, ready.tok
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
     term = _Term(store, roles.global_rank)
@@ -244,13 +225,9 @@ def _heartbeat(client) -> None:
 
 
 class _Term:
-    """When a rollout rank stops serving. A scheduler's SIGTERM reaches every rank at once: the
-    trainer finishes its step (it needs this rank's groups), saves and sets `stop`, so this rank
-    serves on while the trainer lives. When a train rank dies, torchrun SIGTERMs the ranks of its
-    node: the trainer sets `stop` as it fails, or (train rank 0 gone) its heartbeat stops, and this
-    rank leaves within seconds, closing its engine, instead of waiting for torchrun's SIGKILL. A
-    trainer on another node that dies with its node sends no signal here: after PEER_TIMEOUT_S
-    without a beat this rank raises PeerLost, naming the trainer's address (exit 4)."""
+    """When a rollout rank stops serving. On SIGTERM it serves on while the trainer saves and sets `stop`;
+    it leaves within seconds once the trainer sets `stop` or its heartbeat stops, and raises PeerLost
+    (exit 4) after PEER_TIMEOUT_S without a beat from a trainer on another node."""
 
     def __init__(self, store, rank: int):
         self.store, self.rank = store, rank
@@ -288,9 +265,9 @@ class _Term:
 
 def _catch_up(engine: Engine, store, group, buckets, version: int, need: int, roles: refit.Roles,
               evaluate, term: _Term) -> int | None:
-    """Take every version the trainer has announced since `version`, in order: a weighted one is a
-    broadcast every rollout rank joins (refit.receive, straight into the engine). Then wait until
-    version >= `need`. Returns the version now in the engine, or None once the trainer stopped."""
+    """Take every announced version since `version` in order (a weighted one is a broadcast straight into
+    the engine), then wait for version >= `need`. The version now in the engine, or None once the
+    trainer stopped."""
     while True:
         while store.check([f"version/{version + 1}"]):
             version += 1
@@ -330,9 +307,8 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
 # ---- colocated full batch: every rank's own engine, asleep through the update ----
 
 class EngineGroups:
-    """Colocated placement (full batch only, config_ppo.PPOArgs.validate): each rank generates groups
-    i with i % dp == rank with its own `engine`, which then sleeps (`HandOff.to_trainer`) until the
-    refit that follows critic training (`TrainPump` with refit_after_critic, S13)."""
+    """Colocated placement (full batch only): each rank generates groups i % dp == rank with its own
+    engine, which sleeps until the refit after critic training (S13)."""
 
     colocated = True
 

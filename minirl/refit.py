@@ -1,35 +1,16 @@
-"""Disaggregated placement's wiring and its refit: who plays which side, how the sides meet, and how
-the stepped policy goes from the train ranks to the rollout ranks. Only PPO's disaggregated placement
-(placement.py) reaches this module; a GRPO reader never meets it.
+"""Disaggregated placement's wiring and its refit (only placement.py reaches this module).
 
-The wiring (`init_disaggregated`, called INSTEAD of `dist.init()` under torchrun):
-- Ranks [0, R) only generate, ranks [R, N) only train (`Roles`). vLLM hangs if it is built on some
-  ranks of a group that spans all of them, so each side forms its own: the train ranks a default
-  process group among themselves, each rollout rank none (its engine builds a private world of one,
-  `dist.private_world`).
-- Every rank joins one TCPStore at MASTER_ADDR, port MASTER_PORT + 1, hosted by global rank 0:
-  torchrun puts global rank 0 on the host MASTER_ADDR names, on any number of nodes, so the host every
-  rank dials is the one that serves. It carries only small control messages and blobs in parts
-  (`put`, `take`, `drop`: the libuv store refuses values over 8 MiB), never weights.
-- The refit group (`refit_group`): train rank 0 (member 0) and every rollout rank (1..R), built on
-  that store outside torch's group registry: gloo on CPU, NCCL on GPUs.
-
-The refit: the weights go from train rank 0 to every rollout rank over the refit group, in buckets,
-straight into each engine's load.
-- `manifest(model, dtype)`: the plan of a transfer, fixed by the model: every parameter's name,
-  global shape and the engine's dtype, packed in order into buckets of at most BUCKET_BYTES (a
-  larger parameter gets a bucket of its own), each entry 16-byte aligned. Train rank 0 writes it
-  to the store once; the rollout ranks read it once.
-- `send(group, buckets, named_tensors)`: train rank 0 fills one bucket at a time from the gathered
-  full parameters (`dist.full_parameters`, a collective that every train rank iterates) and
-  broadcasts it to the rollout ranks, one broadcast per bucket for all of them.
-- `receive(group, buckets)`: a rollout rank's iterator of (name, tensor): it receives a bucket and
-  yields views into it, which `Engine.load_weights` copies into the engine as they come. Each
-  bucket gets a fresh buffer: vLLM's layer-wise reload may keep a view until its layer is complete.
-- Pipelined: the sender packs bucket k+1 while bucket k is on the wire, and the receiver has
-  bucket k+1 arriving while the engine loads bucket k (the collectives run asynchronously: gloo's
-  worker threads, NCCL's stream), so a refit costs about the engine's load plus one bucket.
-Peak extra memory per refit: two buckets on each side.
+- `init_disaggregated` (INSTEAD of `dist.init()`): ranks [0, R) generate, [R, N) train (`Roles`).
+  vLLM hangs when built on some ranks of a group spanning all of them, so the train ranks form their
+  default group among themselves and each rollout rank none (`dist.private_world`). Every rank joins
+  one TCPStore at MASTER_ADDR:MASTER_PORT + 1, hosted by global rank 0, for control messages and
+  small blobs in parts (`put`, `take`, `drop`), never weights.
+- `refit_group`: train rank 0 (member 0) and the rollout ranks (1..R), built on that store outside
+  torch's registry: gloo on CPU, NCCL on GPUs.
+- The refit: `manifest` fixes every parameter's place in buckets of at most BUCKET_BYTES; `send`
+  (train rank 0) packs the gathered parameters bucket by bucket and broadcasts each; `receive` (a
+  rollout rank) yields views into each bucket as it lands, for `Engine.load_weights`. Both sides
+  keep bucket k+1 on the wire while bucket k is packed or loaded: two buckets of extra memory a side.
 """
 
 from __future__ import annotations
@@ -136,9 +117,7 @@ def drop(store, key: str) -> None:
 
 @dataclass
 class PointGroup:
-    """A process group outside torch's registry: each side's default group excludes the other
-    side, so the members build this one directly on the run's TCPStore. Rank 0 is train rank 0
-    (the rank that gathers the full parameters); ranks 1..R are the rollout ranks."""
+    """A process group outside torch's registry, on the run's TCPStore: train rank 0 and the rollout ranks (1..R)."""
 
     backend: object          # torch's ProcessGroupGloo / ProcessGroupNCCL
     device: torch.device     # the one device type it takes tensors on
@@ -156,10 +135,8 @@ class PointGroup:
 
 def refit_group(store: tdist.Store, rank: int, size: int, device: torch.device,
                 timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> PointGroup:
-    """Join the refit group (a rendezvous: returns once all `size` members have called it).
-
-    gloo on CPU; NCCL on CUDA, each member on its own card from device_map. Built the way torch
-    builds a group's backend (torch 2.13 distributed_c10d._new_process_group_helper)."""
+    """Join the refit group (a rendezvous of all `size` members): gloo on CPU, NCCL on CUDA, built as
+    torch builds a group's backend (torch 2.13 `_new_process_group_helper`)."""
     prefix = tdist.PrefixStore("refit/", store)
     if device.type == "cuda":
         opts = tdist.ProcessGroupNCCL.Options()

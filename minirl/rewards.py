@@ -1,37 +1,18 @@
 """Rewards: text in, a float out. Model output is parsed or compared, never executed.
 
-`--task.reward` names a reward function as `module:function`, `pkg.module.function` or
-`path/to/file.py:function`; repeat the flag for several, weighted by `--task.reward-weights` (default 1
-each). Each is imported, and called once on the first training row with an empty completion, when the
-flags are checked, before any model is built. Its form is decided once from its parameters (`kind`):
-- minirl's `f(completion: str, answer: str) -> float`: the completion as decoded text (special tokens
-  dropped), the reference answer as the task holds it.
-- TRL's batched form, `f(completions, **kwargs) -> list[float | None]`: `prompts`, `completions` (chat
-  messages when the prompt was), `completion_ids` and every other column of the rows as keywords.
-- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, a float or a dict
-  with its "score".
-With none given, the task's own is used:
-- `count`: the built-in task; exactly the count, nothing else.
-- `gsm8k`: a JSONL task's default, `--task.answer-format strict`: for a numeric reference exactly verl's
-  strict GSM8K score (verl/utils/reward_score/gsm8k.py): in the completion's last 300 characters, the
-  last `#### ` followed by digits, `.`, `,` (and a leading `-`), commas dropped, equal to the reference
-  as a string. So `#### 42.0` and `####42` score 0, as in verl, and numbers are comparable with its.
-- `gsm8k_flexible`: `--task.answer-format flexible`, after verl's flexible mode: the last number anywhere,
-  compared as a number (verl compares the string, commas and all).
-Both compare a reference that is not a number as text, normalised (case, spaces, end punctuation), after
-the last `####` on its line for `gsm8k`.
+`--task.reward` names functions (`module:function`, `pkg.module.function`, `path/file.py:function`),
+weighted by `--task.reward-weights`. Each is imported and called once on the first training row when
+the flags are checked, before any model is built; its form is read once from its parameters (`kind`):
+minirl's `f(completion, answer) -> float`, TRL's batched `f(completions, **columns) -> list[float |
+None]`, or verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`. The defaults:
+`count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
+`gsm8k_flexible` (the last number anywhere).
 
-One rule holds on top of every function: a completion the token cap cut (finish reason "length")
-never ended, so it earns 0. Before it, under a reward that read the first number, the built-in
-task was won by writing the count and padding every completion to the cap.
-
-`Scorer` applies the functions, their weights and the rule to a batch. It keeps each function's own
-values (their means are `reward/<name>` in the metrics), as TRL's `reward_funcs`/`reward_weights` and
-verl's `custom_reward_function` do. The first function is the one `eval_accuracy` reports on the
-held-out prompts. A function that raises, exits or returns what is not a finite number ends the run
-(`RewardError`: one line naming it and the completion); one that has not returned for a minute gets a
-line naming it, and `--task.reward-timeout` ends the run (exit 2) when one takes longer; one whose every reward of the first 10 training
-batches is 0 is warned about once (`Scorer.watch`).
+`Scorer` applies them to a batch, keeping each function's values (`reward/<name>`), and one rule on
+top: a completion cut at the token cap earns 0 (otherwise padding to the cap after the answer wins
+the built-in task). A function that raises, exits, returns a non-finite number or outlives
+`--task.reward-timeout` ends the run with one line naming it (`RewardError`); a silent one is reported
+after a minute, and one that scores 0 on every row of the first 10 batches is warned about.
 """
 
 from __future__ import annotations
@@ -131,9 +112,8 @@ WARN_S = 60.0  # a reward function that has not returned for this long gets a li
 
 
 def load(spec: str) -> Callable:
-    """The callable `spec` names: `module:function`, `pkg.module.function` (`pkgutil.resolve_name`) or
-    `path/to/file.py:function`, imported when the flags are checked (the working directory is on the
-    path, as for `python -m`); a ConfigError says what is wrong."""
+    """The callable `spec` names (`module:function`, `pkg.module.function`, `path/file.py:function`),
+    imported with the working directory on the path; a ConfigError says what is wrong."""
     module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not module or not name:
         raise ConfigError(f"--task.reward={spec!r}: give module:function, e.g. minirl.rewards:gsm8k (or "
@@ -189,10 +169,8 @@ class Scorer:
 
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
                  completion_ids: list | None = None) -> tuple[list, list[list]]:
-        """Rewards of a batch (the weighted sum), and each function's own values ([function][row]);
-        a row the cap cut earns 0 from every function. `rows`: the data rows (tasks.Problem.row) whose
-        columns TRL's and verl's forms take. A TRL function's None (not applicable) is NaN in its own
-        values and adds nothing to the sum."""
+        """Rewards of a batch (the weighted sum) and each function's own values ([function][row]); a row the
+        cap cut earns 0. A TRL function's None is NaN in its values and adds nothing to the sum."""
         rows = rows or [{} for _ in texts]
         parts = [[0.0 if cut else v for v, cut in zip(self._values(i, texts, answers, rows, completion_ids), clipped)]
                  for i in range(len(self.fns))]
@@ -226,9 +204,8 @@ class Scorer:
 
     @contextlib.contextmanager
     def _watched(self, i: int, on: list[str]):
-        """While function `i` runs: a line naming it and `on[0]` (what it is scoring) once it has not returned
-        for WARN_S seconds (or half the timeout), then every WARN_S; `_Late` raised into it at the timeout.
-        By SIGALRM, so in the main thread only (elsewhere the function runs unwatched)."""
+        """While function `i` runs: a line after WARN_S (or half the timeout), `_Late` at the timeout; by
+        SIGALRM, so in the main thread only."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return

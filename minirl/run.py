@@ -1,27 +1,10 @@
 """The harness: everything that runs around a step of either loop, so a loop says what happens and this
-module decides when. Both loops build one `Run` and call it in a line at each point of a run:
-
-- `Run(ready, world, mode, rows)`: the run log (metrics.jsonl, samples.jsonl, the console, TensorBoard,
-  W&B; logger.py), config.json, the opening lines, SIGTERM and Ctrl-C (`dist.sigterm_flag`: an
-  emergency save at the next step boundary), and the stall rule (`Stall`).
-- `with run.guard(cleanup, close)`: an exceptional exit runs `cleanup` and then `close`, never masking
-  the error being raised (B24); a clean exit runs `close`; the log is closed either way.
-- `run.phase(name)`: a timed phase (`time/<name>` in the step's record) and a profile mark under
-  MINIRL_PROFILE_LOOP=1 (B27); the run's first phase (its warm-up) says when it starts and ends.
-- `run.checkpoints(parts, state)`: what a save writes (models with their optimizers) and the loop's
-  state beside it; `run.load()` restores them from the resumed checkpoint, `run.resumed(...)` says
-  with which learning rates the run goes on, `run.save(step)` writes the checkpoint of `step`.
-- `run.steps()`: the loop's steps, from the resumed one; `run.evaluates(step)` and `run.saves(step,
-  stepped)` are the one rule each for when an eval or a scheduled save follows `step`
-  (`LogConfig.evaluates`, `CheckpointConfig.saves`). Where a save happens within the step is the
-  loop's business (GRPO's update window, B22-B23); whether it happens is the harness's.
-- `run.end_step(step, record, stepped, save)`: the step's record written (with its time, memory and
-  profile); the stall rule; on SIGTERM or Ctrl-C an emergency save through `save` (unless the step
-  saved already) and the end of the loop; else a scheduled save through `save`; the step's
-  checkpoint completed only now, after its records are on disk; the early stop at
-  --log.target-eval-accuracy (every rank agrees).
-- `run.finish(policy, before)`: the final policy exported to <run dir>/final in Hugging Face format
-  (`export_hf`, which minirl-export runs too), unless a signal stopped the run.
+module decides when. Both loops build one `Run` and call it in a line at each point: the run log
+and config.json, SIGTERM and Ctrl-C (an emergency save at the next step boundary), the stall rule,
+the error guard (B24), timed phases (B27), the checkpoint parts and their resume, the eval and save
+schedule (`evaluates`, `saves`), each step's record, the early stop, and the final export.
+Where a save happens within a step is the loop's business (GRPO's update window, B22-B23); whether
+it happens is the harness's.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from huggingface_hub import save_torch_state_dict
 
 from minirl import checkpoint, dist, models
 from minirl.accumulator import Stall
-from minirl.logger import RunLog, engine_log, memory_peak_gib
+from minirl.logger import RunLog, memory_peak_gib
 
 
 class Run:
@@ -73,13 +56,9 @@ class Run:
             with open(os.path.join(args.log.run_dir, "config.json"), "w") as f:
                 json.dump(args.to_dict(), f, indent=2)
 
-    @property
-    def engine_log(self) -> str | None:
-        """Where this rank's engine writes its own lines (logger.engine_log)."""
-        return engine_log(self.args.log, self.world.rank, self.world.world_size > 1)
-
     @contextlib.contextmanager
     def guard(self, cleanup, close):
+        """An exceptional exit runs `cleanup`, then `close`, never masking the error (B24); a clean one `close`."""
         try:
             yield
         except BaseException:
@@ -92,6 +71,7 @@ class Run:
             self.log.close()
 
     def phase(self, name: str, announce: str = "", extra=None):
+        """A timed phase, `time/<name>` in the step's record and a profile mark (B27; logger.RunLog.phase)."""
         if not announce and self.first_step is not None and self._in_step:  # the run's first phase is the slow
             announce, self.first_step = f"step {self.first_step}: {name}", None  # one (a warm-up): say so
         return self.log.phase(name, announce, extra)
@@ -113,9 +93,8 @@ class Run:
         self.info(f"resumed from {self.resume} at step {self.start}")
 
     def save(self, step: int) -> None:
-        """The checkpoint of the run after `step` (every rank: a collective), written but not yet complete:
-        `end_step` completes it once the step's records are on disk, so a kill in between leaves the
-        previous checkpoint, never one that claims a step metrics.jsonl lacks."""
+        """The checkpoint after `step` (a collective), written but not complete: `end_step` completes it once
+        the step's records are on disk."""
         checkpoint.save(self.args.checkpoint_dir, step + 1, self.parts, {"loop": self.loop, **self.owner, **self.state()},
                         self.args.checkpoint.keep, complete=False)
         self.saved = step
@@ -131,6 +110,7 @@ class Run:
                 self.log.write({"step": self.start, **scored})
 
     def steps(self):
+        """The loop's steps, from the resumed one, until the last or a stop (`end_step`)."""
         for step in range(self.start, self.args.steps):
             self._t0, self._in_step = time.perf_counter(), True
             self.log.begin_step()
@@ -141,9 +121,11 @@ class Run:
                 return
 
     def evaluates(self, step: int) -> bool:
+        """Whether the policy after `step` is scored (`LogConfig.evaluates`: the one rule)."""
         return self.args.log.evaluates(step + 1, self.args.steps)
 
     def saves(self, step: int, stepped: bool) -> bool:
+        """Whether a scheduled save follows `step` (`CheckpointConfig.saves`)."""
         return self.args.checkpoint.saves(step + 1, stepped)
 
     def end_step(self, step: int, record: dict, stepped: bool, save) -> None:
@@ -209,12 +191,9 @@ TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs,
 
 def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
               dtype: torch.dtype | None = None, card: str | None = None) -> None:
-    """Gather the full parameters (a collective: every rank calls) and, on rank 0, write `out_dir/`:
-    the source folder's config, tokenizer and chat-template files; the weights in `dtype` (the
-    run's --model.dtype; the float32 masters otherwise) as `model.safetensors`, or above
-    SHARD_BYTES as shards with a `model.safetensors.index.json`; and, given `card` (`model_card`),
-    its README.md. Written under a temporary name and renamed whole (a failure removes it, and a full disk
-    is one line, CheckpointError); files 0644, the folder 0755."""
+    """Gather the full parameters (a collective) and, on rank 0, write `out_dir/` whole (under a temporary
+    name, then renamed): the source's config, tokenizer and template files, the weights in `dtype` as
+    safetensors (sharded above SHARD_BYTES), and the model card. A failure leaves nothing written."""
     checkpoint.require_finite({"policy": model})
     state = {}
     for name, t in dist.full_parameters(model, dtype):

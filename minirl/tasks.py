@@ -1,19 +1,14 @@
 """Prompt sets, deterministic prompt ids, held-out scoring, and the built-in task's tiny model.
 
-- `CountTask` (built in): "how many a's in this string?" e.g. prompt `abbab#a=`, answer `2`.
-  Problems are a pure function of (seed, index); the held-out set is disjoint from training
-  by construction (a string is held out iff its hash says so), so eval accuracy is honest.
-- `JsonlTask`: a JSONL or Parquet file of rows as TRL and verl users have them: a prompt as text or chat
-  messages, an answer under `answer`, `solution` or a named key; GSM8K answers (`... #### 42`) are cut
-  to the number after `####`.
-- Rewards are rewards.py's: `make_task` gives every task its `scorer` (--task.reward, or the
-  task's own strict one), and `held_out` scores greedy completions of the held-out prompts with it.
-- The tiny model (`build_tiny`): a Qwen2 with a character-level tokenizer built with `tokenizers` (no
-  download), given a deliberately rough supervised warm start on the built-in task (`warm_start`),
-  written once with `save_pretrained` into minirl's cache folder (`cache_dir`, $MINIRL_CACHE).
-- Prompt ids (B14): `prompt_id(shard, index)` is
-  deterministic, monotonic in the index, and scoped by shard so replicas never collide. The
-  data-parallel partition sorts rows by (group_id, id) and deals contiguous whole groups.
+- `CountTask` (built in): "how many a's?" e.g. `abbab#a=` -> `2`; problems are a pure function of
+  (seed, index), and a string is held out iff its hash says so, so eval accuracy is honest.
+- `JsonlTask`: JSONL or Parquet rows as TRL and verl users have them (text or chat prompts; the answer
+  under `answer`, `solution` or a named key; GSM8K's `#### 42` cut to the number).
+- `make_task` gives every task its `scorer` (rewards.py); `held_out` scores greedy completions with it.
+- `build_tiny`: a Qwen2 with a character-level tokenizer (no download), warm-started roughly on the
+  task, built once into minirl's cache folder.
+- Prompt ids (B14): `prompt_id(shard, index)` is deterministic, monotonic and scoped by shard; the
+  data-parallel partition deals contiguous whole groups sorted by (group_id, id).
 """
 
 from __future__ import annotations
@@ -41,11 +36,8 @@ def prompt_id(shard: int, index: int) -> int:
 
 
 def dp_partition(keys: list[tuple[int, int]], rank: int, dp: int) -> list[int]:
-    """Indices of rank's rows: sort by (group_id, id), deal contiguous equal slices.
-
-    `keys[i] = (group_id, id)`. Callers size batches in whole groups per rank (config.validate),
-    so a slice boundary never splits a group.
-    """
+    """Indices of rank's rows: sorted by `keys[i] = (group_id, id)`, in contiguous equal slices (whole
+    groups: config.validate sizes batches so)."""
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     per = len(order) // dp
     assert per * dp == len(order), f"{len(order)} rows do not split over {dp} ranks"
@@ -97,15 +89,10 @@ class CountTask:
 
 
 class JsonlTask:
-    """Prompts and reference answers from a JSONL or Parquet file; a GSM8K reference (`... #### 42`) is cut to `42`.
-
-    A row's "prompt" is text, or chat messages (`[{"role": "user", "content": ...}]`, TRL's conversational
-    rows and verl's), which go through the model's chat template (`add_generation_prompt`, as verl's dataset
-    does). The answer is the first of `answer_key` (--task.answer-key, dotted for a nested key), "answer",
-    "solution" and verl's "reward_model.ground_truth"; a number is read as its text. Every row keeps all its
-    columns (`Problem.row`) for the reward functions that ask for them. Every row is checked when the task
-    loads, before any model is built, and, given the tokenizer, its prompt against --rollout.max-prompt-tokens:
-    a bad row is a ConfigError naming file:line (or row) and the flag."""
+    """Prompts and references from a JSONL or Parquet file, every row checked at load (a bad row is a
+    ConfigError naming file:line and the flag). A prompt is text or chat messages (through the chat
+    template, as verl's dataset does); the answer is the first of --task.answer-key (dotted: nested),
+    "answer", "solution", "reward_model.ground_truth". Every row keeps its columns for the rewards."""
 
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
@@ -217,18 +204,10 @@ def _answer(row: dict, keys: tuple[str, ...], where: str) -> str:
 
 
 def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by: int = 2) -> None:
-    """A deliberately ROUGH supervised start on CountTask: teacher-forced answer + EOS, where each label
-    is the count off by up to `off_by` (uniform, floored at 0).
-
-    From random init the count task's reward is too sparse for RL on 2 cores (accuracy stayed near
-    0.01 for 10 minutes). The rough labels teach the answer format (a number, then EOS) and a count
-    that is only about right: the greedy answer is exact on about a quarter of the held-out prompts,
-    and the exact count holds about 0.2 of the probability at counts 1-6 (0.1 at 7). So sampling
-    finds the right answer often enough for RL to learn from, and making it exact is the RL phase's
-    work (the built-in model's role is an instruct model that is mediocre at the task). A start on exact labels
-    stopped early instead (8 steps) left counts of 5 and more at probability 0.02: GRPO's groups almost
-    never sampled them, and the strict demo plateaued at 0.82, answering 4 to every count above 4.
-    """
+    """A deliberately ROUGH supervised start on CountTask: answer + EOS, each label off by up to `off_by`.
+    From random init the reward is too sparse for RL on 2 cores; exact labels left high counts so
+    unlikely that GRPO never sampled them (the demo plateaued at 0.82). Rough ones teach the format and
+    a count about right, and making it exact is RL's work."""
     task = CountTask(seed=12345, eval_prompts=0)
     rng = random.Random(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -259,10 +238,8 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
 
 def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_size: int, limit: int,
            greedy: bool = False):
-    """Prompts -> completions -> rewards, for both loops and the evals: `group_size` completions of each
-    problem (`ids`: their prompt ids, which seed the sampling), decoded and scored by the task's scorer.
-    Returns (samples, rewards [row], each reward function's values [function][row]); row i*G + j is
-    completion j of problem i."""
+    """Prompts -> completions -> rewards, for both loops and the evals: (samples, rewards [row], each
+    function's values [function][row]); row i*G + j is completion j of problem i."""
     prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
     samples = engine.generate(prompts, ids, group_size, greedy=greedy)
     texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
@@ -276,10 +253,8 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
 
 
 def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> dict:
-    """Greedy completions of the held-out prompts, scored by the task's scorer (the training reward):
-    `eval_accuracy` is the first reward function's mean, and `eval_samples` (on rank 0) every prompt
-    with its completion, answer and reward. With world > 1 every rank of the default group scores its
-    slice (a collective)."""
+    """Greedy completions of the held-out prompts scored by the training reward: `eval_accuracy` (the first
+    function's mean) and `eval_samples` (rank 0). With world > 1 a collective over the ranks' slices."""
 
     share = task.eval_set[rank::world]
     rows, hits = [], 0.0

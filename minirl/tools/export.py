@@ -52,9 +52,9 @@ def check_checkpoint(ckpt: str, flag: str) -> None:
 
 
 def check_out(out: str, ckpt: str, overwrite: bool) -> None:
-    """Export never deletes what it did not write: OUT is a new or empty folder, or (with
-    --overwrite) an earlier export; never `/`, the current directory or one above it, the
-    checkpoint's run directory or anything holding the checkpoint."""
+    """Export never deletes what it did not write: OUT is new, empty or (with --overwrite) an earlier export,
+    and never `/`, the working directory or above it, a folder holding the checkpoint or its run, or one
+    inside the checkpoint folder (a prune would remove it)."""
     from minirl.run import CARD_MARK, TOKENIZER_FILES
     o, here, src = (os.path.realpath(x) for x in (out, os.getcwd(), ckpt))
     run_dir = os.path.dirname(os.path.dirname(src))

@@ -1,13 +1,10 @@
 """The rehearsal's CUDA stand-ins: what a CPU-only torch needs to run on fake CUDA tensors.
 
-How: a CPU build of torch has no CUDA device guard or hooks, so a forward on fake CUDA aborts in
-C++; `fakecuda.cpp` registers torch's own FakeGuardImpl and a hooks object that reports devices.
-It is compiled on first use (g++, against the headers the torch wheel ships) into minirl's cache
-folder and preloaded (LD_PRELOAD) into a child process before torch is imported (`rehearse.run`).
-
-Then, in the child, `stand_ins()` answers in Python what torch.cuda asks of a driver, and what a fake
-tensor cannot know (a value read on the host), counting every read of a CUDA value (`HOST_READS`: on a
-GPU each is a sync); `flash_attention()` runs SDPA through the flash kernel's memory.
+`fakecuda.cpp` registers torch's FakeGuardImpl and a hooks object that reports devices (a CPU build has
+neither, so a forward on fake CUDA aborts in C++); it is compiled once into minirl's cache folder and
+preloaded into the rehearsal's child process (`rehearse.run`). In the child, `stand_ins()` answers what
+torch.cuda asks of a driver and counts every host read of a CUDA value (`HOST_READS`), and
+`flash_attention()` runs SDPA through the flash kernel's memory.
 """
 
 from __future__ import annotations

@@ -2,35 +2,15 @@
 
     python -m minirl.ppo --dry-run --dry-run-world-size 8 --dry-run-device cuda --grid.rollout-ranks 2 ...
 
-validates the flags for the world the flags describe (`--dry-run-nnodes N` for N nodes: each rank's
-line then names its node, and its card is its index on that node), prints one line per rank,
-
-    rank R: [node=K] role=<rollout|train|both> trainer=<device or -> engine=<device or -> params=<dtype> compute=<dtype>
-            | <that rank's share> | memory GiB: <terms> | peak <GiB> of <card> (fits|DOES NOT FIT)
-
-and returns without loading weights, building an engine or joining a process group. Devices come
-from `dist.device_map`, the function the real launch uses.
-
-The memory estimate is arithmetic on the model's config.json (a local folder, the built-in model,
-or a hub name already in the local Hugging Face cache; otherwise "memory: unknown"):
-- params: float32 master shards of the trained model (1/dp each; PPO's pump keeps one of policy and
-  critic on the card at a time, the other offloaded with its optimizer, but a checkpoint holds both:
-  PPO's peak is the larger of the two phases), the compute-dtype copies
-  FSDP2 gathers for a forward (the root's embedding/head and two decoder blocks, one prefetched),
-  and the frozen reference in the compute dtype when there is a KL penalty;
-- grads: float32 shards; optimizer: AdamW's two float32 moments per parameter, sharded;
-- activations: what the largest micro-batch's forward keeps for backward, from the tensors a
-  Qwen2/Llama block saves per token (with --model.activation-checkpointing: each block's input,
-  and one block's tensors while it reruns in backward);
-- logits: one piece of the chunked logprob head (models.LOGITS_CHUNK vocabulary entries: the
-  compute-dtype logits, their float32 copy and its gradient), and under bf16 compute the float32 sum
-  of the head's weight gradient over the pieces;
-- engine: `--rollout.gpu-memory-utilization` of the card (vLLM's own cap).
-Colocated with the hand-off, engine and trainer take turns: the peak is the largest of the two
-phases and the publish between them, when the engine's weights wake beside the trainer's parameters
-and optimizer state (`publish`). Every phase adds 1 GiB for the CUDA context and communicators. It is an estimate, meant to
-catch a recipe that cannot fit, not to tune one to the last GiB; `--rehearse` measures the train step
-itself (tools/rehearse.py), and the GPU recipes' rehearsed peaks are within 25% of it (docs/gpu.md).
+validates the flags for the world they describe and prints one line per rank (its node, role, devices
+from `dist.device_map`, its share of the batch, and a memory estimate with a fits / DOES NOT FIT
+verdict and, if it does not, the largest micro-batch that would), without loading weights, building an
+engine or joining a process group. The estimate is arithmetic on the model's config.json: float32
+master shards, gathered compute-dtype blocks, the reference, gradients, AdamW's moments, the saved
+activations (per Qwen2/Llama block, or with activation checkpointing), one piece of the chunked logprob
+head, the engine's `--rollout.gpu-memory-utilization`, and 1 GiB of CUDA context. Colocated, engine and
+trainer take turns but for the publish. It is meant to catch a recipe that cannot fit; `--rehearse`
+measures the step itself (docs/gpu.md compares the two).
 """
 
 from __future__ import annotations
@@ -269,9 +249,8 @@ def engine_gib(args, role: str, device_type: str = "cuda") -> float:
 
 
 def publish_gib(args, hf: dict | None, terms: dict | None) -> float:
-    """A colocated hand-off's publish (GiB): the engine's weights wake, in the compute dtype, while the
-    trainer's parameters and optimizer state are still on the card (its gradients and activations are
-    gone after the step) until the weight sync is done and the trainer offloads."""
+    """A colocated publish (GiB): the engine's weights wake while the trainer's parameters and optimizer
+    state are still on the card."""
     if not hf or not terms:
         return 0.0
     weights = parameter_counts(hf)["total"] * models.DTYPES[args.model.dtype].itemsize / GIB
@@ -279,9 +258,8 @@ def publish_gib(args, hf: dict | None, terms: dict | None) -> float:
 
 
 def card_peak(args, role: str, trainer: float, device_type: str = "cuda", publish: float = 0.0) -> float:
-    """A rank's peak (GiB): engine and trainer take turns on a colocated card under the hand-off, but for
-    the publish, where the engine's weights and the trainer overlap (`publish_gib`); else they add up;
-    plus the CUDA context and communicators."""
+    """A rank's peak (GiB): a colocated card's engine and trainer take turns but for the publish; else they
+    add up; plus the CUDA context."""
     engine = engine_gib(args, role, device_type)
     handoff = args.rl.colocated_offload if isinstance(args, GRPOArgs) else args.ppo.colocated_offload
     return (max(engine, trainer, publish) if role == "both" and handoff else engine + trainer) + BASELINE_GIB

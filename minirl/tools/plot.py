@@ -1,11 +1,7 @@
 """A run's learning curve: `python -m minirl.tools.plot RUN_DIR` (or `minirl-plot RUN_DIR`) -> RUN_DIR/curve.png.
 
-Reads RUN_DIR/metrics.jsonl (one record per step, as logger.RunLog writes it) and draws one
-panel per quantity that the run logged: reward (and each `--task.reward` function's mean when there
-are several) and held-out accuracy, the policy loss, the
-completion lengths, the shares of clipped completions and of groups without signal, the policy
-loss, the value loss (PPO), KL and clip fraction, entropy, gradient norms, step time. Works on a run that is still
-going or crashed: every complete line is a finished step.
+One panel per quantity the run's metrics.jsonl holds (rewards, held-out accuracy, losses, lengths,
+clip and KL, entropy, gradient norms, step time); works on a run still going or crashed.
 """
 
 from __future__ import annotations

@@ -2,46 +2,18 @@
 
     python -m minirl.ppo <a recipe's flags> --dry-run --rehearse --dry-run-world-size 8 --dry-run-device cuda
 
-runs minirl's own trainer code, not a copy of it, for train rank 0 of the world the flags describe,
-on fake CUDA tensors: tensors with a shape, a dtype and a device but no storage (torch's
-FakeTensorMode). The other ranks are played by torch's `fake` process-group backend, the models
-are built from config.json alone (no weights), and torch's FSDPMemTracker measures the step.
-
-- GRPO: one optimizer step, the first mini-batch's micro-batches in full (reference scored first,
-  policy forward and backward, accumulator, clip, step) between the hand-off's onload and the
-  weight-sync gather and offload (`grpo.update`, `grpo.hand_off`).
-- PPO: one step of `stream.TrainPump`: every chunk of the step (value forward, reference and
-  policy forward, backward), then the close (policy step, refit, the critic's epochs), with the
-  offload switches between policy and critic. The refit is the real gather and bucket packing
-  (`dist.full_parameters`, `refit.send`; disaggregated) or the hand-off's publish (colocated).
-- Both: then what a checkpoint and the export run on the card (`_save_and_export`): the
-  finiteness check, DCP's sharded state dicts and the export's full-parameter gather. The writes
-  themselves need bytes a fake tensor does not have, so they are not rehearsed.
-- Rows are the recipe's micro-batch and chunk sizes at the full sequence length (prompt plus
-  completion tokens: the worst case), except, when there are several, in the first micro-batch or
-  chunk: its two first rows are half as long, so the padding-free path runs too. bf16 compute,
-  float32 masters, as a GPU run.
-
-It prints, per loop and model, the tracker's peak per card by category beside the plan's estimate
-(plan.py) and the verdict against --dry-run-card-gib with the engine's share; the last line is
-
-    rehearsal <loop> <model> world <W>: peak <X> GiB per card, plan <Y> GiB, host reads per optimizer step <N>,
-        device mismatches 0 ...
-
-where the host reads are the values of CUDA tensors the step reads back (`.item()`, `.tolist()`, `bool()`:
-on a GPU each is a sync that drains the card's queue), counted from the first forward to the step's
-metrics (GRPO: one optimizer step; PPO: a whole step, its policy and critic optimizer steps).
-
-A CUDA tensor meeting a CPU one stops it with the op and minirl's line (exit 1). The peak is the
-tracker's over the whole rehearsal, with AdamW's moments resident from the start (a warm-up step
-with zero gradients creates them, as every step after a run's first has them), leaving out what
-runs inside `optimizer.step()` (fake mode allocates what the fused kernel updates in place) and
-DTensor's sharding propagation (ops at the global shape that only learn an output's metadata).
-What it cannot show: kernels' own workspaces (cuBLAS, attention), allocator fragmentation, NCCL's
-buffers, vLLM's memory (the plan's engine share stands in), and the determinism probe's one-off
-forward (off here).
-
-How: the CUDA stand-ins a CPU build of torch lacks are fakecuda.py's.
+runs minirl's own trainer code for train rank 0 of the world the flags describe, on fake CUDA tensors
+(torch's FakeTensorMode: a shape, a dtype and a device, no storage), the other ranks played by torch's
+`fake` process group, the models built from config.json alone, and torch's FSDPMemTracker measuring:
+- GRPO: one optimizer step of `grpo.update` on the first mini-batch, inside the hand-off;
+- PPO: one step of `stream.TrainPump`, every chunk and the close, with the real refit's gather and
+  bucket packing (disaggregated) or the hand-off's publish (colocated);
+- both: then a checkpoint's and the export's work on the card (`_save_and_export`), without the writes.
+Rows are the recipe's sizes at the full sequence length (the first micro-batch's two first rows half
+as long, so packing runs too), in bf16 with float32 masters. It prints each model's peak per card by
+category beside the plan's (plan.py), and the host reads per optimizer step (each a GPU sync). A CUDA
+tensor meeting a CPU one stops it with the op and minirl's line (exit 1). What it cannot show: kernels'
+workspaces, fragmentation, NCCL's buffers, vLLM's memory (the plan's engine share stands in).
 """
 
 from __future__ import annotations
@@ -215,9 +187,8 @@ def _ppo(args, world, cfg, chunks, ppo):
 
 
 def _save_and_export(parts: dict, dtype: torch.dtype) -> None:
-    """What a checkpoint and the export do on the card: the finiteness check, DCP's sharded state dicts
-    (no full gather; writing them needs bytes a fake tensor does not have), and the export's gather of
-    every full parameter in turn (as on ranks 1..W-1, which gather and do not write)."""
+    """What a checkpoint and the export do on the card, without the writes (a fake tensor has no bytes): the
+    finiteness check, DCP's sharded state dicts, the export's gather of every full parameter."""
     from minirl import checkpoint
     from minirl.run import export_hf
     checkpoint.require_finite({name: model for name, (model, _) in parts.items()})
@@ -257,9 +228,8 @@ def _hf_config(hf: dict):
 
 
 def _build(cfg, kind: str, world, args):
-    """A model as models.sharded builds it, from its config alone: on the meta device, FSDP2-sharded
-    over the world, then given (fake) storage on the card. The load-time checks' verdicts are those
-    of a Qwen2/Llama: packed rows stay apart (--model.packing), the chunked head equals the logits."""
+    """A model as models.sharded builds it, from its config alone: on the meta device, sharded, then given
+    (fake) storage on the card, with a Qwen2/Llama's load-check verdicts."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     from minirl import models
@@ -325,9 +295,8 @@ class _Tracker(FSDPMemTracker):
         super().__init__(self.pairs[0][0], self.pairs[0][1])
 
     def __enter__(self):
-        """DTensor's sharding propagation runs an op once more on fake tensors of the GLOBAL shape to
-        learn its output's metadata, in the active fake mode, which is the rehearsal's: those are
-        not allocations (a clip_grad_norm_ would count the whole model's gradients again)."""
+        """DTensor's sharding propagation reruns ops on fake tensors of the GLOBAL shape to learn metadata:
+        not allocations, so not counted."""
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
         self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
