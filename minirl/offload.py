@@ -15,7 +15,6 @@ docs/invariants.md). One colocated step (B20):
 
 from __future__ import annotations
 
-
 import torch
 
 from minirl import dist
