@@ -12,7 +12,7 @@ None]`, or verl's `compute_score(data_source, solution_str, ground_truth, extra_
 top: a completion cut at the token cap earns 0 (otherwise padding to the cap after the answer wins
 the built-in task). A function that raises, exits, returns a non-finite number or outlives
 `--task.reward-timeout` ends the run with one line naming it (`RewardError`); a silent one is reported
-after a minute, and one that scores 0 on every row of the first 10 batches is warned about.
+after a minute, and a run whose first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ all-reduce and the disaggregated groups; and, with no processes, the device map 
 the CUDA world's backend, the collectives' device check and the float32 master weights."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,13 +28,10 @@ def test_disaggregated_rollout_rank_and_train_group_meet_through_the_store(tiny_
     assert "ROLLOUT OK" in p.stdout and p.stdout.count("TRAIN rank") == 2
 
 
-
 def test_a_private_world_of_one_takes_its_port_as_its_store_binds_it():
     """A rollout rank's engine world (`dist.private_world`) gives its store port 0, so the kernel picks a free
     port in the bind itself: a port found free first and bound later can be taken in between (seen as
     EADDRINUSE on a two-node run). Two such worlds start at once on one host, each on a port of its own."""
-    import subprocess
-    import sys
     code = ("import os, torch, torch.distributed as d\n"
             "from minirl import dist\n"
             "with dist.private_world(torch.device('cpu')):\n"
