@@ -3,8 +3,8 @@
 - `init_disaggregated` (INSTEAD of `dist.init()`): ranks [0, R) generate, [R, N) train (`Roles`).
   vLLM hangs when built on some ranks of a group spanning all of them, so the train ranks form their
   default group among themselves and each rollout rank none (`dist.private_world`). Every rank joins
-  one TCPStore at MASTER_ADDR:MASTER_PORT + 1, hosted by global rank 0, for control messages and
-  small blobs in parts (`put`, `take`, `drop`), never weights.
+  the run's store at MASTER_ADDR:MASTER_PORT (torchrun's own, else hosted by global rank 0) for control
+  messages and small blobs in parts (`put`, `take`, `drop`), never weights.
 - `refit_group`: train rank 0 (member 0) and the rollout ranks (1..R), built on that store outside
   torch's registry: gloo on CPU, NCCL on GPUs.
 - The refit: `manifest` fixes every parameter's place in buckets of at most BUCKET_BYTES; `send`
@@ -51,20 +51,17 @@ class Roles:
         return list(range(self.rollout_ranks, self.global_world))
 
 
-def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[Roles, dist.World | None,
-                                                                              tdist.TCPStore]:
+def init_disaggregated(rollout_ranks: int) -> tuple[Roles, dist.World | None, tdist.Store]:
     """Join the run's store; train ranks form their default process group on it (under the prefix
     `train/`), wherever train rank 0 runs. Returns (roles, the train World or None, the store)."""
     g_rank, g_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     devices = dist.device_map(g_rank, local_rank, g_world, rollout_ranks, "disaggregated", dist.device_type())
     roles = Roles(g_rank, g_world, rollout_ranks, devices)
-    addr, base = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     dist.place(devices.trainer or devices.engine, int(os.environ.get("LOCAL_WORLD_SIZE", g_world)), g_rank,
-               f"{addr}:{base + store_port_offset}")
-    # Long timeout: a rollout rank waits on the store for the next policy version for a whole train step.
-    store = tdist.TCPStore(addr, base + store_port_offset, g_world, is_master=g_rank == 0, use_libuv=True,
-                           timeout=datetime.timedelta(minutes=30))
+               f"{addr}:{port}")
+    store = run_store(addr, port, g_world, host=g_rank == 0)
     if not roles.trains:
         return roles, None, store
     t_rank, t_world = g_rank - rollout_ranks, g_world - rollout_ranks
@@ -73,6 +70,22 @@ def init_disaggregated(rollout_ranks: int, store_port_offset: int = 1) -> tuple[
                              world_size=t_world, device_id=device if device.type == "cuda" else None)
     os.environ.update(RANK=str(t_rank), WORLD_SIZE=str(t_world))
     return roles, dist.World(t_rank, t_world, local_rank, device), store
+
+
+def run_store(addr: str, port: int, world_size: int = 1, host: bool = False) -> tdist.Store:
+    """The run's store, under a prefix of this launch attempt's own. Under torchrun it is torchrun's own,
+    already listening at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True: every rank a client,
+    as torch's env:// does); under another launcher global rank 0 (`host`) hosts it there. Never a second
+    port: one next to MASTER_PORT can be any other socket's (EADDRINUSE seen in CI). The long timeout: a
+    rollout rank waits on it for the next policy version for a whole train step."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = tdist.TCPStore(addr, port, world_size, is_master=host and not agent, use_libuv=True,
+                           timeout=datetime.timedelta(minutes=30))
+    return tdist.PrefixStore(_attempt(), store)
+
+
+def _attempt() -> str:
+    return f"minirl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # PrefixStore adds the slash
 
 
 def host_address(peer: str) -> str:
@@ -86,9 +99,10 @@ def host_address(peer: str) -> str:
             return socket.gethostname()
 
 
-def store_client(store: tdist.TCPStore) -> tdist.TCPStore:
-    """Another connection to the same TCPStore (for a thread of its own)."""
-    return tdist.TCPStore(store.host, store.port, is_master=False, use_libuv=True)
+def store_client(store: tdist.PrefixStore) -> tdist.PrefixStore:
+    """Another connection to the run's store (for a thread of its own)."""
+    under = store.underlying_store
+    return tdist.PrefixStore(_attempt(), tdist.TCPStore(under.host, under.port, is_master=False, use_libuv=True))
 
 
 # The libuv TCPStore refuses values over 8 MiB: blobs go in parts, the part count written last.

@@ -50,6 +50,23 @@ def test_a_private_world_of_one_takes_its_port_as_its_store_binds_it():
     ports = [int(out.split()[-1]) for out, _ in outs]
     assert all(out.split()[1] == "1" for out, _ in outs) and 0 not in ports and ports[0] != ports[1]
 
+def test_the_run_store_is_torchruns_own_and_binds_no_second_port(monkeypatch):
+    """Under torchrun the run's store is the agent's, already listening at MASTER_PORT: global rank 0
+    connects as a client (a bind there would fail), and nothing binds the port after it (CI once saw
+    EADDRINUSE there, where another process's socket had that port). Under another launcher rank 0 hosts it."""
+    from minirl import refit
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    store = refit.run_store("127.0.0.1", agent.port, host=True)
+    store.set("k", "v")
+    assert agent.get("minirl/2/k") == b"v"  # the agent's store, under this launch attempt's prefix
+    assert refit.store_client(store).get("k") == b"v"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    with pytest.raises(Exception, match="EADDRINUSE|address already in use"):
+        refit.run_store("127.0.0.1", agent.port, host=True)  # another launcher: rank 0 binds MASTER_PORT itself
+
+
 
 # ---- devices and backends (pure functions, no processes) ----
 
