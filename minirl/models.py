@@ -93,28 +93,25 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _quiet_loading() -> None:
+def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
+    """A transformers `Auto*` class's model from `path`, for training: no KV cache (with one, packed rows
+    would mix) and no progress bar per load on every rank."""
+    import transformers
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # a progress bar per model load, on every rank, is noise
+    hf_logging.disable_progress_bar()
+    model = getattr(transformers, auto).from_pretrained(path, dtype=dtype)
+    model.config.use_cache = False
+    return model
 
 
 def load_policy(path: str) -> nn.Module:
     """The policy in float32: its parameters are the optimizer's master weights (computing in --model.dtype)."""
-    _quiet_loading()
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
+    return _pretrained("AutoModelForCausalLM", path, torch.float32)
 
 
 def load_reference(path: str, dtype: str = "float32") -> nn.Module:
     """The frozen starting policy for the KL penalty, stored in the compute dtype (it never steps)."""
-    _quiet_loading()
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-    model.config.use_cache = False
-    model.requires_grad_(False)
-    return model
+    return _pretrained("AutoModelForCausalLM", path, DTYPES[dtype]).eval().requires_grad_(False)
 
 
 class ValueModel(nn.Module):
@@ -151,10 +148,7 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 
 def load_value(path: str) -> ValueModel:
     """The critic in float32 master weights (see load_policy)."""
-    _quiet_loading()
-    from transformers import AutoModel
-    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
-    backbone.config.use_cache = False  # no KV cache in training (and with one, packed rows would mix)
+    backbone = _pretrained("AutoModel", path, torch.float32)
     return ValueModel(backbone, backbone.config.hidden_size)
 
 
