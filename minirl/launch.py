@@ -92,12 +92,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     code = 0
     try:
         main(argv)
-    except (ConfigError, checkpoint.CheckpointError) as e:  # bad flag, file or checkpoint: say which, no traceback
-        print(f"{name}: error: {e}", file=sys.stderr)
-        code = 2
-    except rewards.RewardError as e:  # a reward function raised, exited, returned no number or hung: which, on what
-        print(f"{name}: error: {e}", file=sys.stderr)
-        code = e.code
+    except (ConfigError, checkpoint.CheckpointError, rewards.RewardError) as e:  # bad flag, file or checkpoint (2),
+        print(f"{name}: error: {e}", file=sys.stderr)  # or a failed reward function (its own code): no traceback
+        code = getattr(e, "code", 2)
     except KeyboardInterrupt:  # a Ctrl-C outside the steps (the build, an eval, an export): one line
         print(f"{name}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
