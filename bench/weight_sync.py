@@ -113,7 +113,7 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
                     engine.load_weights(st_load(take(store, f"blob/{i}")).items())
                     store.set(f"stored_at/{i}/{r}", str(time.perf_counter()))
             store.set(f"peak_rss/{r}", str(peak_rss_gib()))
-            wait("done")  # global rank 0 hosts the store
+            wait("done")  # outside torchrun global rank 0 hosts the store
         finally:
             engine.close()
     dist.shutdown()

@@ -204,7 +204,7 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
         if version is None:
             return
         evaluate(args.steps)
-        term.wait("stop")  # global rank 0 hosts the store: it must outlive the trainer's last use of it
+        term.wait("stop")  # outside torchrun global rank 0 hosts the store: it must outlive the trainer's last use
     finally:
         engine.close()
         print(f"rollout rank {roles.global_rank}: engine closed", flush=True)

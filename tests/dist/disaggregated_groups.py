@@ -57,7 +57,7 @@ else:
     out = engine.generate(prompts, [0, 1, 2], 1, greedy=True)
     store.set("sampled", json.dumps({"prompts": out.prompt_tokens, "completions": out.completion_tokens,
                                      "logprobs": out.logprobs}))
-    while store.add("checked", 0) < 2:  # this rank hosts the store: outlive the trainers' reads
+    while store.add("checked", 0) < 2:  # outside torchrun this rank hosts the store: outlive the trainers' reads
         time.sleep(0.01)
     engine.close()
     print("ROLLOUT OK")
