@@ -65,7 +65,8 @@ class StoreGroups:
         if self.world.is_main:  # the refit group's rendezvous waits for the rollout ranks' engines
             self.buckets = refit.manifest(policy, self.dtype)
             self.store.set("weights/manifest", json.dumps(self.buckets))
-            self.store.set("trainer/addr", refit.host_address(self.store.underlying_store.host))  # named by a rank that loses it
+            addr = refit.host_address(self.store.underlying_store.host)  # named by a rollout rank that loses it
+            self.store.set("trainer/addr", addr)
             threading.Thread(target=_heartbeat, args=(refit.store_client(self.store),), daemon=True).start()
             self.group = refit.refit_group(self.store, 0, self.args.grid.rollout_ranks + 1, self.world.device)
             self.store.set("start", str(step))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import torchrun
-from minirl import dist
+from minirl import dist, refit
 
 
 @pytest.mark.dist
@@ -50,11 +50,11 @@ def test_a_private_world_of_one_takes_its_port_as_its_store_binds_it():
     ports = [int(out.split()[-1]) for out, _ in outs]
     assert all(out.split()[1] == "1" for out, _ in outs) and 0 not in ports and ports[0] != ports[1]
 
+
 def test_the_run_store_is_torchruns_own_and_binds_no_second_port(monkeypatch):
     """Under torchrun the run's store is the agent's, already listening at MASTER_PORT: global rank 0
     connects as a client (a bind there would fail), and nothing binds the port after it (CI once saw
     EADDRINUSE there, where another process's socket had that port). Under another launcher rank 0 hosts it."""
-    from minirl import refit
     agent = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
