@@ -11,6 +11,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("MINIRL_CACHE", os.path.join(ROOT, ".cache", "minirl"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM compiles one small sampler op with inductor (`batched_count_greater_than`: the sampled token's rank)
+# on the first generate of every process: about 2.7 s of a 15 s tiny run, paid again by each engine the suite
+# builds. The suite runs it eagerly (the same integer ranks); minirl itself compiles nothing.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU)")
