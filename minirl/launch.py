@@ -92,8 +92,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     code = 0
     try:
         main(argv)
-    except (ConfigError, checkpoint.CheckpointError, rewards.RewardError) as e:  # bad flag, file or checkpoint (2),
-        print(f"{name}: error: {e}", file=sys.stderr)  # or a failed reward function (its own code): no traceback
+    # a bad flag, file or checkpoint (exit 2), or a failed reward function (its error's code): one line, no traceback
+    except (ConfigError, checkpoint.CheckpointError, rewards.RewardError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
         code = getattr(e, "code", 2)
     except KeyboardInterrupt:  # a Ctrl-C outside the steps (the build, an eval, an export): one line
         print(f"{name}: interrupted (Ctrl-C)", file=sys.stderr)

@@ -67,7 +67,6 @@ def test_the_run_store_is_torchruns_own_and_binds_no_second_port(monkeypatch):
         refit.run_store("127.0.0.1", agent.port, host=True)  # another launcher: rank 0 binds MASTER_PORT itself
 
 
-
 # ---- devices and backends (pure functions, no processes) ----
 
 LAYOUTS = [(8, r) for r in range(1, 8)] + [(16, 2), (16, 8)]  # (world size, rollout ranks); 16 = 2 nodes x 8
