@@ -1,6 +1,8 @@
 """config.py: derived counts and every validation error names its flag (B1, B2, B11); PPO's
 streaming support limits (S1, S20)."""
 
+import re
+
 import pytest
 
 from minirl.config import ConfigError
@@ -145,6 +147,15 @@ def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_pa
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # validation never touches it
 
 
+def _set(a, path: str, value):
+    *parents, name = path.split(".")
+    obj = a
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, name, value)
+    return a
+
+
 @pytest.mark.parametrize("cls, path, value, says", [
     (GRPOArgs, "rollout.kv_cache_gib", float("nan"), "--rollout.kv-cache-gib=nan must be a finite number"),
     (GRPOArgs, "rl.kl_coef", float("inf"), "--rl.kl-coef=inf must be a finite number"),
@@ -161,15 +172,8 @@ def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_pa
 ])
 def test_every_number_and_path_is_range_checked_before_any_build(cls, path, value, says):
     """No NaN or inf, no negative count, no zero size: one line naming the flag, from validate()."""
-    import re
-    a = cls()
-    *parents, name = path.split(".")
-    obj = a
-    for p in parents:
-        obj = getattr(obj, p)
-    setattr(obj, name, value)
     with pytest.raises(ConfigError, match=re.escape(says)):
-        a.validate(2 if cls is PPOArgs else 1)
+        _set(cls(), path, value).validate(2 if cls is PPOArgs else 1)
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_the_first_save(tmp_path):
@@ -177,4 +181,73 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_the_first_save(tmp_pa
     a.log.run_dir, a.checkpoint.dir = str(tmp_path / "run"), str(tmp_path / "file")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="--checkpoint.dir=.* is a file"):
+        a.validate(1)
+
+
+def test_the_specs_defaults():
+    """The batching spec's table: batch_per_replica 32, mini and micro 0 (whole batch, one chunk); a colocated
+    card and rollout sleep level 1 by default; GRPO's grad_accum at its one allowed value (B1, B11)."""
+    a = GRPOArgs()
+    assert (a.rl.batch_per_replica, a.rl.mini_batch_per_replica, a.rl.micro_batch_per_replica) == (32, 0, 0)
+    assert (a.grid.gpu_placement, a.rollout.sleep_level, a.rl.grad_accum) == ("colocated", 1, 1)
+    assert (a.n_mini, a.n_micro) == (1, 1)
+
+
+# (loop, flag path, values at or inside the bound, values just past it, world size, other settings)
+BOUNDS = [
+    (GRPOArgs, "steps", [1], [0], 1, {}),
+    (GRPOArgs, "seed", [0, 2**32 - 1], [2**32], 1, {}),
+    (GRPOArgs, "rl.batch_per_replica", [1], [0], 1, {"rl.group_size": 1}),
+    (GRPOArgs, "rl.mu_iterations", [1], [0], 1, {}),
+    (GRPOArgs, "rl.lr", [1e-12], [0.0], 1, {}),
+    (GRPOArgs, "rl.clip_eps", [1e-6], [0.0], 1, {}),
+    (GRPOArgs, "rl.max_skipped_steps", [1], [0], 1, {}),
+    (GRPOArgs, "rl.min_lr_ratio", [0.0, 1.0], [-0.01, 1.01], 1, {}),
+    (GRPOArgs, "rl.dual_clip", [0.0, 1.01, 3.0], [0.5, 1.0], 1, {}),
+    (GRPOArgs, "rl.weight_decay", [0.0], [-0.01], 1, {}),
+    (GRPOArgs, "rollout.temperature", [1e-3], [0.0], 1, {}),
+    (GRPOArgs, "rollout.top_p", [1e-3, 1.0], [0.0, 1.01], 1, {}),
+    (GRPOArgs, "rollout.gpu_memory_utilization", [1e-3, 1.0], [0.0, 1.01], 1, {}),
+    (GRPOArgs, "rollout.min_tokens", [0, 8], [9], 1, {"rollout.max_tokens": 8}),
+    (GRPOArgs, "log.every", [1], [0], 1, {}),
+    (GRPOArgs, "checkpoint.keep", [1], [0], 1, {}),
+    (GRPOArgs, "dry_run_nnodes", [1], [0], 1, {}),
+    (PPOArgs, "async_rl.min_groups_for_streaming_train", [1, 12], [0, 13], 2, {"ppo.num_prompts_per_step": 12}),
+    (PPOArgs, "grid.rollout_ranks", [1, 3], [0, 4], 4, {"ppo.num_prompts_per_step": 6}),
+    (PPOArgs, "ppo.adv_estimator.gamma", [0.0, 1.0], [-0.01, 1.01], 2, {}),
+    (PPOArgs, "ppo.adv_estimator.lam", [0.0, 1.0], [-0.01, 1.01], 2, {}),
+    (PPOArgs, "ppo.value_lr", [1e-12], [0.0], 2, {}),
+    (PPOArgs, "ppo.critic_ppo_epochs", [1], [0], 2, {}),
+    (PPOArgs, "async_rl.rollout_groups_per_call", [1], [0], 2, {}),
+]
+
+
+@pytest.mark.parametrize("cls, path, inside, past, world, other", BOUNDS, ids=[f"{b[0].LOOP}-{b[1]}" for b in BOUNDS])
+def test_every_range_takes_its_bounds_and_refuses_just_past_them(tmp_path, cls, path, inside, past, world, other):
+    """A range check that is off by one refuses a value a user may give (top-p 1.0, gamma 1.0, a full-batch
+    minimum) or lets one through that breaks the run later: each flag's bounds pass, and a value just past
+    them is refused naming the flag."""
+    def launch(value):
+        a = _set(cls(), "log.run_dir", str(tmp_path / "run"))
+        for k, v in other.items():
+            _set(a, k, v)
+        return _set(a, path, value)
+
+    flag = "--" + path.replace("_", "-")
+    for value in inside:
+        launch(value).validate(world)
+    for value in past:
+        with pytest.raises(ConfigError, match=re.escape(flag)):
+            launch(value).validate(world)
+
+
+def test_a_dry_run_may_name_the_cpu_and_only_the_rehearsal_refuses_it(tmp_path):
+    """--dry-run-device cpu plans a CPU launch; --rehearse plays a CUDA one, so only the two together are refused."""
+    a = GRPOArgs(dry_run=True, dry_run_device="cpu")
+    a.log.run_dir = str(tmp_path / "run")
+    a.validate(1)
+    a.dry_run_device, a.rehearse = "cuda", True
+    a.validate(1)
+    a.dry_run_device = "cpu"
+    with pytest.raises(ConfigError, match="--rehearse plays a CUDA launch"):
         a.validate(1)
