@@ -1,6 +1,8 @@
 """config.py: derived counts and every validation error names its flag (B1, B2, B11); PPO's
 streaming support limits (S1, S20)."""
 
+import json
+import os
 import re
 
 import pytest
@@ -251,3 +253,40 @@ def test_a_dry_run_may_name_the_cpu_and_only_the_rehearsal_refuses_it(tmp_path):
     a.dry_run_device = "cpu"
     with pytest.raises(ConfigError, match="--rehearse plays a CUDA launch"):
         a.validate(1)
+
+
+
+DEFAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "defaults.json")
+
+
+def defaults() -> dict:
+    return {"grpo": GRPOArgs().to_dict(), "ppo": PPOArgs().to_dict()}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"rl": {"lr": 1e-4}} -> {"rl.lr": 1e-4}"""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def test_every_default_is_the_recorded_one():
+    """A default is part of every run that does not set it (a recipe, a user's config.json): a changed one is
+    a decision made in tests/data/defaults.json's diff, never a silent edit. To record a deliberate change:
+    .venv/bin/python tests/test_config.py"""
+    with open(DEFAULTS) as f:
+        recorded = json.load(f)
+    for loop, now in defaults().items():
+        now, then = _flat(now), _flat(recorded[loop])
+        changed = {k: (then.get(k, "absent"), now.get(k, "absent")) for k in now.keys() | then.keys()
+                   if now.get(k, "absent") != then.get(k, "absent")}
+        assert not changed, f"minirl.{loop} defaults changed (recorded, now): {changed}"
+
+
+if __name__ == "__main__":  # record the defaults as they are now
+    with open(DEFAULTS, "w") as f:
+        f.write(json.dumps(defaults(), indent=1) + "\n")
