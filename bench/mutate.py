@@ -1,5 +1,5 @@
-"""Mutation testing of minirl's pure modules: plant one small bug at a time and see whether the module's
-unit tests catch it.
+"""Mutation testing of minirl's pure modules and its flag checks: plant one small bug at a time and see whether
+the module's unit tests catch it.
 
     .venv/bin/python bench/mutate.py                      # every module below, 2 workers
     .venv/bin/python bench/mutate.py gae sampler --jobs 1 # some of them
@@ -35,6 +35,9 @@ TESTS = {  # module -> the unit tests that guard it
     "sampler": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
     "batch": ["tests/test_batch.py", "tests/test_packing.py"],
+    "config": ["tests/test_config.py"],
+    "config_grpo": ["tests/test_config.py", "tests/test_grpo_update.py"],
+    "config_ppo": ["tests/test_config.py"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,

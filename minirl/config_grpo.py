@@ -90,7 +90,7 @@ class GRPOFlags:
         loss takes the engine's logprobs. GRPO's clipped objective always consumes pi_old."""
         return (self.n_mini > 1 or self.rl.mu_iterations > 1) and not self.rl.use_rollout_logprobs_for_loss
 
-    def validate(self, world_size: int = 1) -> "GRPOArgs":
+    def validate(self, world_size: int) -> "GRPOArgs":
         """Raise ConfigError naming the flag for anything the run cannot do. Cheap: no I/O but stat()."""
         rl = self.rl
         _check_numbers(self)  # every count >= 0 and every float finite, first

@@ -30,6 +30,7 @@ def test_derived_counts_are_dp_invariant():
         a.validate(world)
         dp_batch, dp_mini, dp_micro = 32 // world, 16 // world, 8 // world
         assert a.n_mini == dp_batch // dp_mini == 2 and a.n_micro == dp_mini // dp_micro == 2
+        assert type(a.n_mini) is int and type(a.n_micro) is int  # counts of steps and calls, never 2.0
 
 
 @pytest.mark.parametrize("rl, flag", [
@@ -147,6 +148,12 @@ def test_the_run_dir_must_be_a_writable_directory_that_holds_no_other_run(tmp_pa
     a.checkpoint.resume, a.log.overwrite = "", True
     a.validate(1)
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # validation never touches it
+    a.log.overwrite = False
+    (run / "metrics.jsonl").write_text("")  # a run that died before its first line is no run to keep
+    a.validate(1)
+    (run / "metrics.jsonl").write_text("{")  # one cut line is
+    with pytest.raises(ConfigError, match="already holds a run"):
+        a.validate(1)
 
 
 def _set(a, path: str, value):
@@ -207,6 +214,7 @@ BOUNDS = [
     (GRPOArgs, "rl.min_lr_ratio", [0.0, 1.0], [-0.01, 1.01], 1, {}),
     (GRPOArgs, "rl.dual_clip", [0.0, 1.01, 3.0], [0.5, 1.0], 1, {}),
     (GRPOArgs, "rl.weight_decay", [0.0], [-0.01], 1, {}),
+    (GRPOArgs, "rl.max_grad_norm", [0.0, 0.5], [-0.01], 1, {}),
     (GRPOArgs, "rollout.temperature", [1e-3], [0.0], 1, {}),
     (GRPOArgs, "rollout.top_p", [1e-3, 1.0], [0.0, 1.01], 1, {}),
     (GRPOArgs, "rollout.gpu_memory_utilization", [1e-3, 1.0], [0.0, 1.01], 1, {}),
@@ -254,6 +262,63 @@ def test_a_dry_run_may_name_the_cpu_and_only_the_rehearsal_refuses_it(tmp_path):
     with pytest.raises(ConfigError, match="--rehearse plays a CUDA launch"):
         a.validate(1)
 
+
+def test_a_refused_size_suggests_one_that_runs():
+    with pytest.raises(ConfigError, match=re.escape("(e.g. 32)")):
+        args(batch_per_replica=30, group_size=8).validate(1)
+    with pytest.raises(ConfigError, match=re.escape("--rl.micro-batch-per-replica (e.g. 16)")):
+        args(grad_accum=4, batch_per_replica=32).validate(1)
+    with pytest.raises(ConfigError, match=re.escape("use a multiple of 16")):
+        args(batch_per_replica=24, group_size=8).validate(2)
+    p = PPOArgs()
+    p.ppo.num_prompts_per_step = 6
+    with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 3] (this launch has 4 rank(s)")):
+        _set(p, "grid.rollout_ranks", 4).validate(4)
+
+
+def test_one_rule_says_when_an_eval_is_due_and_one_when_a_save_is():
+    """Evals: before the first update, every --log.eval-every, after the last step; never at 0. Saves: every
+    --checkpoint.every, never after a step that took no update; never at 0."""
+    from minirl.config import CheckpointConfig, LogConfig
+    assert [v for v in range(9) if LogConfig(eval_every=3).evaluates(v, 7)] == [0, 3, 6, 7]
+    assert not any(LogConfig(eval_every=0).evaluates(v, 7) for v in range(9))
+    assert [s for s in range(1, 8) if CheckpointConfig(every=3).saves(s, True)] == [3, 6]
+    assert not CheckpointConfig(every=3).saves(3, False)
+    assert not any(CheckpointConfig(every=0).saves(s, True) for s in range(1, 8))
+
+
+def test_files_the_flags_name_must_exist_and_an_existing_one_passes(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "answer": "1"}\n')
+    for path, value, says in [("task.path", str(tmp_path / "none.jsonl"), "--task.path"),
+                              ("task.eval_path", str(tmp_path / "none.jsonl"), "--task.eval-path"),
+                              ("checkpoint.resume", str(tmp_path / "none"), "--checkpoint.resume")]:
+        a = _set(_set(args(), "task.name", "jsonl"), "task.path", str(rows))
+        a.log.run_dir = str(tmp_path / "run")
+        a.validate(1)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            _set(a, path, value).validate(1)
+        _set(a, path, str(rows) if path != "checkpoint.resume" else str(tmp_path)).validate(1)
+
+
+@pytest.mark.parametrize("flag, module", [("log.tensorboard", "tensorboard"), ("log.wandb_project", "wandb")])
+def test_an_optional_sink_is_refused_only_where_its_package_is_missing(tmp_path, monkeypatch, flag, module):
+    import importlib.util
+    real = importlib.util.find_spec
+    a = _set(args(), flag, True if flag == "log.tensorboard" else "p")
+    a.log.run_dir = str(tmp_path / "run")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *r: object() if name == module else real(name, *r))
+    a.validate(1)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *r: None if name == module else real(name, *r))
+    with pytest.raises(ConfigError, match=re.escape(f"pip install -e '.[{module}]'")):
+        a.validate(1)
+
+
+def test_a_config_file_takes_only_the_values_a_choice_flag_lists():
+    from minirl.flags import fill
+    assert fill(GRPOArgs(), {"rollout": {"sleep_level": 2}}, "").rollout.sleep_level == 2
+    with pytest.raises(ConfigError, match=r"rollout\.sleep_level=3 is not one of 1, 2"):
+        fill(GRPOArgs(), {"rollout": {"sleep_level": 3}}, "")
 
 
 DEFAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "defaults.json")
