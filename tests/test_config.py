@@ -347,8 +347,8 @@ def test_every_default_is_the_recorded_one():
         recorded = json.load(f)
     for loop, now in defaults().items():
         now, then = _flat(now), _flat(recorded[loop])
-        changed = {k: (then.get(k, "absent"), now.get(k, "absent")) for k in now.keys() | then.keys()
-                   if now.get(k, "absent") != then.get(k, "absent")}
+        pairs = {k: (then.get(k, "absent"), now.get(k, "absent")) for k in now.keys() | then.keys()}
+        changed = {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
         assert not changed, f"minirl.{loop} defaults changed (recorded, now): {changed}"
 
 
