@@ -38,6 +38,9 @@ TESTS = {  # module -> the unit tests that guard it
     "config": ["tests/test_config.py"],
     "config_grpo": ["tests/test_config.py", "tests/test_grpo_update.py"],
     "config_ppo": ["tests/test_config.py"],
+    "tasks": ["tests/test_tasks.py", "tests/test_rewards.py"],
+    "stream": ["tests/test_stream.py"],
+    "logger": ["tests/test_logger.py"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,

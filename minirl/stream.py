@@ -39,7 +39,7 @@ class PumpConfig:
     lam: float = 0.95
     loss: dict = field(default_factory=dict)  # the policy loss's options, as config.OptimConfig.loss_options gives them
     value_clip_eps: float = 0.2
-    value_max_grad_norm: float = 0.0  # clip the critic's gradient norm (0 = no clip)
+    value_max_grad_norm: float = 1.0  # clip the critic's gradient norm (0 = no clip)
     normalize_advantages: bool = True
     critic_ppo_epochs: int = 1
     policy_micro_rows: int = 0       # rows per policy forward/backward within a chunk; 0 = the whole chunk

@@ -59,7 +59,7 @@ class CountTask:
 
     def __init__(self, seed: int, eval_prompts: int):
         self.seed = seed
-        self.eval_set = self._draw(seed=-1 - seed, n=eval_prompts, held_out=True)
+        self.eval_set = self._held_out_set(seed=-1 - seed, n=eval_prompts)
 
     @staticmethod
     def _held_out(s: str) -> bool:
@@ -69,12 +69,12 @@ class CountTask:
         s = "".join(rng.choice(self.letters) for _ in range(rng.randint(1, self.max_len)))
         return Problem(f"{s}#a=", str(s.count("a")))
 
-    def _draw(self, seed: int, n: int, held_out: bool, start: int = 0) -> list[Problem]:
-        out, i = [], start
+    def _held_out_set(self, seed: int, n: int) -> list[Problem]:
+        out, i = [], 0
         while len(out) < n:
             p = self._problem(random.Random(f"{seed}:{i}"))
             i += 1
-            if self._held_out(p.prompt[:-3]) == held_out:
+            if self._held_out(p.prompt[:-3]):
                 out.append(p)
         return out
 

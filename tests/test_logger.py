@@ -154,3 +154,160 @@ def test_samples_are_on_disk_as_each_step_writes_them_not_at_close(tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]  # the log is still open
     assert [(r["step"], r.get("split"), r.get("eval_version")) for r in lines] == [(0, "train", None), (1, None, 2)]
     log.close()
+
+
+# ---- the numbers each step's record and console line carry (what logger.py's mutation run asked for) ----
+
+def test_sample_metrics_are_the_hand_computed_ones():
+    """Three groups of two: rewards [2, 2 | 0, 4 | 1, 3]. The std is the population one; a group whose
+    rewards are all equal has no signal; a function's None (NaN) is left out of its mean."""
+    import torch
+    from minirl.logger import sample_metrics
+    r = sample_metrics(torch.tensor([2.0, 2.0, 0.0, 4.0, 1.0, 3.0]), 2, [3, 5, 2, 10, 4, 6], [False] * 5 + [True],
+                       {"f": [1.0] + [float("nan")] * 5, "g": [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]})
+    assert r == {"reward_mean": 2.0, "reward_std": pytest.approx((10 / 6) ** 0.5), "reward/f": 1.0,
+                 "reward/g": pytest.approx(4 / 6), "frac_reward_zero_std": pytest.approx(1 / 3),
+                 "completion_len_mean": 5.0, "completion_len_min": 2.0, "completion_len_max": 10.0,
+                 "completion_clip_ratio": pytest.approx(1 / 6)}
+    assert sample_metrics(torch.tensor([0.0, 1.0]), 2, [1, 1], [False, False])["reward_std"] == 0.5  # below 1 too
+
+
+def test_training_rows_decode_the_first_n_rollouts_with_their_rewards():
+    class Tok:
+        def batch_decode(self, rows, skip_special_tokens):
+            assert skip_special_tokens  # no <eos> or pads in the text a person reads
+            return ["".join(chr(96 + t) for t in row) for row in rows]
+
+    from minirl.logger import training_rows
+    rows = training_rows(Tok(), [[1], [2], [3]], [[4, 5], [6], [7]], [0.5, 1.0, 0.0], {"f": [1, 0, 0]},
+                         [True, False, False], 2)
+    assert rows == [{"prompt": "a", "completion": "de", "reward": 0.5, "rewards": {"f": 1.0}, "clipped": True},
+                    {"prompt": "b", "completion": "f", "reward": 1.0, "rewards": {"f": 0.0}, "clipped": False}]
+    assert training_rows(Tok(), [[1]], [[2]], [1.0], {}, [False], 0) == []
+
+
+def test_the_memory_peak_is_read_in_gib_on_the_host_and_on_a_card(monkeypatch):
+    """CPU: the process's peak RSS (ru_maxrss, KiB on Linux). CUDA: the card's allocated peak, reset after
+    each read. Either way the max over the ranks unless `over_ranks=False` (a rollout rank's group is vLLM's)."""
+    import resource
+    import torch
+    from minirl import dist, logger
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    assert 0.05 < logger.memory_peak_gib(torch.device("cpu"), over_ranks=False) == pytest.approx(host, rel=0.05)
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    card = torch.device("cuda", 0)
+    assert logger.memory_peak_gib(card, over_ranks=False) == 3.0 and resets == [card]
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t.fill_(7.0) if op == "max" else t)  # a peer's peak
+    assert logger.memory_peak_gib(card) == 7.0
+
+
+def test_a_phase_adds_its_time_and_a_profiled_run_marks_it_once(tmp_path, monkeypatch):
+    """`time/<name>` sums a phase's calls in a step; under MINIRL_PROFILE_LOOP=1 each phase's end is one mark
+    (time since the last mark, memory in MiB), unless a finer mark inside it closed it already."""
+    import time
+    import torch
+    clock = iter([10.0, 11.0, 12.5, 20.0, 21.0, 25.0, 27.0, 30.0, 31.0, 32.0, 33.0, 34.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    log = RunLog(str(tmp_path), enabled=False)               # 10.0: the profile's start
+    assert log.device == torch.device("cpu") and not log.profiling
+    with log.phase("generate"):                              # 11.0 -> 12.5
+        pass
+    with log.phase("generate"):                              # 20.0 -> 21.0
+        pass
+    assert log.times == {"time/generate": 2.5} and log.take_profile() is None
+    monkeypatch.setenv("MINIRL_PROFILE_LOOP", "1")
+    log = RunLog(str(tmp_path), enabled=False)               # 25.0
+    with log.phase("train", extra=lambda: {"tokens": 4}):    # 27.0 -> 30.0, marked at 31.0
+        pass
+    with log.phase("publish"):                               # 32.0 -> 34.0
+        log.mark("wake")                                     # 33.0: a finer mark closes the phase itself
+    profile = log.take_profile()
+    assert profile["phases"] == ["train", "wake"] and log.times == {"time/train": 3.0, "time/publish": 2.0}
+    assert (profile["train/s"], profile["train/tokens"], profile["wake/s"]) == (6.0, 4, 2.0)
+    import psutil
+    assert profile["train/rss_mib"] == pytest.approx(psutil.Process().memory_info().rss / 2**20, rel=0.2)  # MiB
+    assert log.take_profile() == {}                          # a fresh one for the next step
+
+
+def test_a_profiled_card_reads_its_memory_in_mib(monkeypatch):
+    import torch
+    monkeypatch.setenv("MINIRL_PROFILE_LOOP", "1")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**20)
+    log = RunLog("", enabled=False, device=torch.device("cuda", 0))
+    log.mark("train")
+    assert (log.profile["train/allocated_mib"], log.profile["train/reserved_mib"]) == (3.0, 5.0)
+
+
+def test_the_console_prints_every_nth_step_and_each_eval_with_an_eta_from_the_steps_after_the_first(tmp_path,
+                                                                                                   capsys):
+    """--log.every 2: steps 0, 2, 4 and any eval. The ETA is the mean of the recent step times (the first, with
+    the engine's warm-up, left out) times the steps still to run; the first line says its rate includes it."""
+    log = RunLog(str(tmp_path), enabled=True, every=2, total_steps=5)
+    for s, t in enumerate([100.0, 10.0, 20.0, 30.0, 40.0]):
+        log.write({"step": s, "reward_mean": 0.5, "time/step": t, "tokens_per_s": 9.0,
+                   **({"eval_accuracy": 0.5} if s == 3 else {})})
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["step    1/5 | reward 0.5 | s 100 | tok/s (incl. warm-up) 9 | eta 6m40s",  # 100 s x 4
+                     "step    3/5 | reward 0.5 | s 20 | tok/s 9 | eta 0m30s",                 # 15 s x 2
+                     "step    4/5 | reward 0.5 | eval_acc 0.5 | s 30 | tok/s 9 | eta 0m20s",   # 20 s x 1
+                     "step    5/5 | reward 0.5 | s 40 | tok/s 9 | eta 0m00s"]
+
+
+def test_the_eta_takes_the_mean_of_the_last_twenty_steps(tmp_path, capsys):
+    log = RunLog(str(tmp_path), enabled=True, total_steps=30)
+    for s, t in enumerate([100.0, 50.0] + [1.0] * 20):
+        log.write({"step": s, "time/step": t})
+    log.close()
+    assert capsys.readouterr().out.splitlines()[-1] == "step   21/30 | s 1 | eta 0m08s"  # 1 s x 8, not 50 s
+
+
+@pytest.mark.parametrize("seconds, shown", [(59.4, "0m59s"), (61, "1m01s"), (120, "2m00s"), (3599, "59m59s"),
+                                            (3600, "1h00m"), (3725, "1h02m"), (7140, "1h59m"), (90061, "25h01m")])
+def test_an_eta_reads_as_minutes_and_seconds_under_an_hour_else_hours_and_minutes(seconds, shown):
+    assert console_line({"step": 0}, eta=seconds) == f"step    0 | eta {shown}"
+
+
+def test_a_log_made_with_its_defaults_prints_every_step_shows_two_samples_and_starts_fresh(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier run's history: a fresh log drops it
+    log = RunLog(str(tmp_path), enabled=True)
+    row = {"prompt": "q", "completion": "1", "answer": "1", "reward": 1.0}
+    for s in range(3):
+        log.write({"step": s, "reward_mean": 1.0, "time/step": 1.0,
+                   **({"eval_accuracy": 1.0, "eval_samples": [row] * 3} if s == 2 else {})})
+    log.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["step    1 | reward 1 | s 1", "step    2 | reward 1 | s 1", "step    3 | reward 1 | eval_acc 1 | s 1",
+                   "  sample (version None): 'q' -> '1' (answer '1', reward 1)"] + \
+                  ["  sample (version None): 'q' -> '1' (answer '1', reward 1)"]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_resumed_run_whose_history_is_gone_starts_one_and_drops_a_line_cut_by_a_kill(tmp_path):
+    RunLog(str(tmp_path / "lost"), enabled=True, start_step=3).close()
+    assert (tmp_path / "lost" / "metrics.jsonl").read_text() == ""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')  # killed mid-line
+    log = RunLog(str(tmp_path), enabled=True, start_step=3)
+    log.times["time/generate"] = 0.123456  # a phase's time, rounded into the record
+    log.write({"step": 3})
+    log.close()
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert lines == [{"step": 0}, {"step": 1}, {"step": 3, "time/generate": 0.1235}]
+
+
+def test_the_sinks_get_every_number_but_the_step_at_its_step_and_a_fresh_run_a_new_wandb_run(tmp_path, monkeypatch):
+    import types
+    inits, logged = [], []
+    run = types.SimpleNamespace(log=lambda data, step: logged.append((data, step)), finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw) or run))
+    log = RunLog(str(tmp_path), enabled=True, wandb_project="p", config={"seed": 3})
+    log.write({"step": 4, "reward_mean": 0.5, "optimizer_steps": 2, "note": "text", "eval_version": None})
+    log.close()
+    assert logged == [({"reward_mean": 0.5, "optimizer_steps": 2.0}, 4)] and inits[0]["config"] == {"seed": 3}
+    first = inits[0]["id"]
+    assert len(first) == 12 and first.isalnum() and first == first.lower()
+    RunLog(str(tmp_path), enabled=True, wandb_project="p").close()  # --log.overwrite: not the old run's W&B run
+    assert inits[1]["id"] != first

@@ -36,11 +36,12 @@ def models(tiny_path):
     return load_policy(tiny_path), load_value(tiny_path)
 
 
-def pump(models, cfg, refit=None, log=None):
+def pump(models, cfg, refit=None, log=None, skipped=0):
     policy, value = copy.deepcopy(models[0]), copy.deepcopy(models[1])
     with torch.no_grad():  # a critic that predicts something, so GAE and clipping are not trivial
         value.score.weight.copy_(0.1 * torch.randn(value.score.weight.shape, generator=torch.Generator().manual_seed(0)))
     acc = Accumulator(policy, RecordingSGD(policy.parameters(), lr=0.1), n_micro=None)
+    acc.skipped = skipped  # windows skipped in the run's earlier steps
     lines = [] if log is None else log
     return TrainPump(policy, value, acc, RecordingSGD(value.parameters(), lr=0.1), cfg, step=3, refit=refit,
                      log=lines.append)
@@ -160,7 +161,9 @@ def test_train_pump_logs_show_the_chunking(models, world):
     for c in CHUNKS:
         p.chunk(make_chunk(*c))
     p.close()
-    assert [line.split(" groups")[0] for line in lines[:3]] == [f"train_pump: step 3 chunk {k}" for k in range(3)]
+    assert lines[:3] == ["train_pump: step 3 chunk 0 groups=2 rows=4 tokens=16",
+                         "train_pump: step 3 chunk 1 groups=3 rows=6 tokens=28",
+                         "train_pump: step 3 chunk 2 groups=1 rows=2 tokens=10"]
     assert lines[-1] == "train_pump: step 3 closing on 3 chunk(s)"
 
 
@@ -274,6 +277,18 @@ def test_policy_micro_batches_equal_the_whole_chunk_step(models, world, agg):
     scale = max(g.abs().max().item() for g in g_w)
     assert max((a - b).abs().max().item() for a, b in zip(g_w, g_s)) <= 1e-6 * scale
     assert all(torch.allclose(a["old_logp"], b["old_logp"], atol=1e-6) for a, b in zip(whole.chunks, split.chunks))
+
+
+def test_later_policy_epochs_take_the_same_micro_batches_as_the_first(models, world):
+    """Full batch, --ppo.ppo-epochs 2, --ppo.policy-micro-batch-rows 2 on a 4-row chunk: two backwards an
+    epoch, and each epoch's step as with the whole chunk at once."""
+    c = make_chunk(*CHUNKS[0])  # 4 rows, 10 columns
+    whole, _ = run(models, [c], ppo_epochs=2, normalize_advantages=False)
+    split, _ = run(models, [c], ppo_epochs=2, normalize_advantages=False, policy_micro_rows=2)
+    assert split.events.count("policy.backward") == 2 * 2 and split.policy_acc.steps == 2
+    g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen  # the second epoch's gradients
+    scale = max(g.abs().max().item() for g in g_w)
+    assert max((a - b).abs().max().item() for a, b in zip(g_w, g_s)) <= 1e-6 * scale
 
 
 @pytest.mark.dist
@@ -398,3 +413,76 @@ def test_a_critic_warmup_chunk_leaves_no_policy_root_parameter_gathered(tiny_pat
     p.chunk(make_chunk(*CHUNKS[0]))
     p.policy_off.onload()
     assert [n for n, q in policy.named_parameters() if not isinstance(q, DTensor)] == []
+
+
+def test_a_pump_made_without_options_runs_as_the_ppo_command_does_by_default():
+    """PumpConfig's defaults are what `minirl.ppo` passes for its default flags (disaggregated, after any
+    critic warmup), so every test of a default pump tests the command's step; the policy loss's options
+    are the one exception (the objective's own tests cover them)."""
+    import dataclasses
+    from minirl.config_ppo import PPOArgs
+    from minirl.ppo import pump_config
+    command = dataclasses.asdict(pump_config(PPOArgs(), step=0, colocated=False))
+    default = dataclasses.asdict(PumpConfig())
+    assert {k: v for k, v in command.items() if k != "loss"} == {k: v for k, v in default.items() if k != "loss"}
+
+
+@pytest.mark.parametrize("cfg, gamma, lam, whiten", [({}, 1.0, 0.95, True),
+                                                   ({"gamma": 0.9, "lam": 0.5, "normalize_advantages": False},
+                                                    0.9, 0.5, False)])
+def test_each_chunks_advantages_are_gae_of_its_rewards_and_old_values_whitened_within_the_chunk(models, world, cfg,
+                                                                                                gamma, lam, whiten):
+    from minirl.gae import compute_gae, masked_whiten
+    p, _ = run(models, [make_chunk(*c) for c in CHUNKS], **cfg)
+    for c in p.chunks:
+        adv, returns = compute_gae(c["rewards"], c["old_values"], c["mask"], gamma, lam)
+        assert torch.allclose(c["raw_adv"], adv) and torch.allclose(c["returns"], returns)
+        assert torch.allclose(c["adv"], masked_whiten(adv, c["mask"]) if whiten else adv)
+
+
+def test_the_reference_scores_a_chunk_only_when_the_kl_penalty_is_on(models, world):
+    for kl, forwards in ((0.0, 0), (0.1, 1)):
+        p = pump(models, PumpConfig(loss={"kl_coef": kl}))
+        p.ref = copy.deepcopy(models[0]).eval()
+        p.chunk(make_chunk(*CHUNKS[0]))
+        p.close()
+        assert p.events.count("reference.forward") == forwards
+
+
+def test_a_step_counts_only_its_own_skipped_windows_and_times_its_chunks_and_close(models, world):
+    """The accumulator's skips of earlier steps are not this step's: a clean step reports none and runs its
+    policy step. `time/last_chunk` and `time/close` are wall times within the step's own."""
+    import time
+    p = pump(models, PumpConfig(), skipped=2)
+    t0 = time.perf_counter()
+    p.chunk(make_chunk(*CHUNKS[0]))
+    m = p.close()
+    elapsed = time.perf_counter() - t0
+    assert p.skipped == 0 and "skipped_nonfinite" not in m and p.events.count("policy.step") == 1
+    assert 0 < m["time/last_chunk"] < elapsed and 0 < m["time/close"] < elapsed
+    assert m["time/last_chunk"] + m["time/close"] < elapsed
+
+
+@pytest.mark.parametrize("chunks", [CHUNKS, [(4, 1, [1])]])
+def test_the_steps_value_metrics_are_the_hand_computed_ones_over_every_chunk(models, world, chunks):
+    """advantages_mean, returns_mean and values_mean over the step's valid tokens (the advantages before
+    whitening; a step of one token too), and the critic's explained variance 1 - Var(R - V) / Var(R)."""
+    p, m = run(models, [make_chunk(*c) for c in chunks])
+    mask = torch.cat([c["mask"].flatten() for c in p.chunks]).double().bool()
+    adv, ret, val = (torch.cat([c[k].flatten() for c in p.chunks]).double()[mask]
+                     for k in ("raw_adv", "returns", "old_values"))
+    assert m["advantages_mean"] == pytest.approx(adv.mean().item(), abs=1e-9)
+    assert (m["returns_mean"], m["values_mean"]) == pytest.approx((ret.mean().item(), val.mean().item()), abs=1e-9)
+    if len(ret) > 1:
+        explained = 1 - (ret - val).var(unbiased=False) / ret.var(unbiased=False)
+        assert m["value_explained_var"] == pytest.approx(explained.item(), abs=1e-9) and ret.var() > 0
+
+
+def test_a_critic_warmup_step_logs_the_mean_logprob_gap_of_its_micro_batches(models, world):
+    chunk = make_chunk(*CHUNKS[0])
+    chunk["rollout_logp"] = -torch.rand(chunk["mask"].shape, generator=torch.Generator().manual_seed(1))
+    p, m = run(models, [chunk], critic_warmup=True, policy_micro_rows=2)
+    from minirl.objective import logprob_gap
+    c = p.chunks[0]
+    gaps = [logprob_gap(c["old_logp"][r], chunk["rollout_logp"][r], chunk["mask"][r]) for r in (slice(0, 2), slice(2, 4))]
+    assert gaps[0] != gaps[1] and m["ppo_logprob_gap"] == pytest.approx(((gaps[0] + gaps[1]) / 2).item())

@@ -108,7 +108,7 @@ def test_a_prompt_given_twice_is_never_both_trained_on_and_held_out(tmp_path, ca
     held = {p.prompt for p in task.eval_set}
     assert held and not held & {p.prompt for p in task.rows}
     assert len(task.rows) == 40 - 4 * len(held)  # each prompt is 4 of the 40 lines
-    assert "training row(s) repeat a held-out prompt; left out of training" in capsys.readouterr().out
+    assert f"{3 * len(held)} training row(s) repeat a held-out prompt; left out of training" in capsys.readouterr().out
 
 
 def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
@@ -140,7 +140,12 @@ def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypat
     shape = TinyModelConfig(hidden_size=64, num_heads=1, intermediate_size=64, warm_start_steps=1)
     path = build_tiny(shape)
     assert path.startswith(str(tmp_path / "cache")) and build_tiny(shape) == path
-    assert load_policy(path).config.hidden_size == 64 and load_tokenizer(path)("ab#a=").input_ids
+    policy = load_policy(path)
+    assert policy.config.hidden_size == 64 and load_tokenizer(path)("ab#a=").input_ids
+    written = json.loads(open(f"{path}/config.json").read())
+    assert written["tie_word_embeddings"] and written.get("rope_parameters", written)["rope_theta"] == 10000.0
+    wider = TinyModelConfig(hidden_size=128, num_heads=1, intermediate_size=64, warm_start_steps=0)
+    assert build_tiny(wider) != path  # a second shape beside the first, in the folder that exists now
 
 
 def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_and_weights(tiny_path, tmp_path,
@@ -166,3 +171,155 @@ def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_an
     out = held_out(Engine(), task, tok, 32)
     assert out["eval_accuracy"] == 3 / 8
     assert [r["reward"] for r in out["eval_samples"]] == [1.5] * 3 + [0.5] * 5
+
+
+# ---- what tasks.py's mutation run asked for ----
+
+def test_a_prompt_id_is_the_shard_in_the_high_bits_and_the_index_below_2_to_the_40():
+    assert prompt_id(3, 5) == 3 * 2**40 + 5 and prompt_id(0, 2**40 - 1) < prompt_id(1, 0)
+    with pytest.raises(AssertionError):
+        prompt_id(0, 2**40)
+
+
+def test_a_problem_compares_and_hashes_by_prompt_and_answer_not_its_row():
+    from minirl.tasks import Problem
+    a, b = Problem("q", "1", {"id": 1, "tags": ["x"]}), Problem("q", "1", {"id": 2})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
+def test_about_one_string_in_eight_is_held_out_and_training_never_draws_one():
+    import itertools
+    every = ["".join(s) for n in range(1, 10) for s in itertools.product("ab", repeat=n)]  # all 1,022 strings
+    held = {s for s in every if CountTask._held_out(s)}
+    assert 0.08 < len(held) / len(every) < 0.18
+    task = CountTask(0, 40)
+    assert {p.prompt[:-3] for p in task.eval_set} <= held
+    assert not held & {task.train_problem(i).prompt[:-3] for i in range(3000)}
+
+
+def test_a_parquet_file_is_read_by_its_magic_bytes_whatever_its_name(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    path = tmp_path / "rows.data"
+    pq.write_table(pyarrow.table({"prompt": [f"q{i}" for i in range(10)], "answer": [str(i) for i in range(10)]}),
+                   path)
+    task = JsonlTask(str(path), 0, 2)
+    assert sorted(p.answer for p in task.rows + task.eval_set) == sorted(str(i) for i in range(10))
+
+
+class _ChatTok:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt  # text, ending where the assistant's answer starts
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize("tok, says", [(None, "has no chat template"), (type("Plain", (), {"chat_template": None})(),
+                                                                          "has no chat template"),
+                                       (_ChatTok(), "")])
+def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tmp_path, tok, says):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"}) + "\n"
+                         for i in range(5)))
+    if says:
+        with pytest.raises(ConfigError, match=f"chat.jsonl:1: the prompt is chat messages, .*{says}"):
+            JsonlTask(str(f), 0, 1, tok=tok)
+    else:
+        task = JsonlTask(str(f), 0, 1, tok=tok)
+        assert sorted(p.prompt for p in task.rows + task.eval_set) == [f"<user>q{i}<assistant>" for i in range(5)]
+
+
+class _Engine:
+    def __init__(self):
+        self.greedy = []
+
+    def generate(self, prompts, ids, group_size, greedy=False):
+        from minirl.rollout import Samples
+        self.greedy.append(greedy)
+        n = len(prompts) * group_size
+        return Samples(prompt_ids=[i for i in ids for _ in range(group_size)], prompt_tokens=[[1]] * n,
+                       completion_tokens=[[2]] * n, logprobs=[[-1.0]] * n, finish_reasons=["stop"] * n)
+
+
+class _Tok:
+    def __call__(self, text, add_special_tokens):
+        assert not add_special_tokens  # the engine gets the prompt's own tokens, as the trainer does
+        return type("Enc", (), {"input_ids": [ord(ch) for ch in text]})()
+
+    def batch_decode(self, rows, skip_special_tokens):
+        assert skip_special_tokens  # a reward never sees <eos> or pads
+        return ["2" for _ in rows]
+
+
+def test_training_batches_sample_and_are_watched_for_a_reward_that_never_pays_and_evals_are_greedy(monkeypatch):
+    from minirl.tasks import held_out, scored
+    task = make_task(TaskConfig(eval_prompts=4), 0)
+    watched = []
+    monkeypatch.setattr(task.scorer, "watch", lambda rewards, texts, answers: watched.append(len(rewards)))
+    engine = _Engine()
+    samples, rewards, parts = scored(engine, task, _Tok(), [task.train_problem(i) for i in range(3)], [0, 1, 2], 2, 32)
+    assert engine.greedy == [False] and watched == [6] and samples.texts == ["2"] * 6 and len(parts[0]) == 6
+    held_out(engine, task, _Tok(), 32)
+    assert engine.greedy == [False, True] and watched == [6]
+
+
+def test_a_rank_with_no_held_out_prompt_adds_no_hit_and_gets_every_row(monkeypatch):
+    """One held-out prompt over two ranks: rank 1 scores none, and the accuracy and rows are rank 0's."""
+    import torch
+    from minirl import dist
+    from minirl.tasks import held_out
+    task = make_task(TaskConfig(eval_prompts=1), 0)
+    row = {"prompt": task.eval_set[0].prompt, "completion": "2", "answer": "2", "reward": 1.0, "clipped": False}
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t.add_(torch.tensor([1.0, 1.0])))  # rank 0: 1 of 1
+    monkeypatch.setattr(dist, "gather_json", lambda rows: [[row], rows])
+    assert held_out(_Engine(), task, _Tok(), 32, rank=1, world=2) == {"eval_accuracy": 1.0, "eval_samples": []}
+
+
+def test_the_built_in_tasks_problems_and_held_out_set_are_the_recorded_ones():
+    """Every run of the built-in task, on any version, trains on the same problems and scores the same
+    held-out strings, so eval_accuracy compares across runs; a change here changes every demo's numbers."""
+    import itertools
+    task = CountTask(0, 3)
+    assert [task.train_problem(i).prompt for i in range(6)] == ["b#a=", "bbab#a=", "ab#a=", "bb#a=", "aabaaaa#a=",
+                                                               "aaaaaaa#a="]
+    assert [p.prompt for p in task.eval_set] == ["aaabaa#a=", "abaaba#a=", "bbabaa#a="]
+    assert [p.prompt for p in CountTask(1, 2).eval_set] == ["bbbbbbbb#a=", "ababbaa#a="]
+    short = ["".join(s) for n in range(1, 6) for s in itertools.product("ab", repeat=n)]
+    assert [s for s in short if CountTask._held_out(s)] == ["abbb", "babb", "bbaa", "aabbb", "ababb", "abbbb", "babba",
+                                                          "bbaaa", "bbbaa"]
+
+
+def test_the_built_in_task_needs_its_longest_prompt_within_the_prompt_budget():
+    assert make_task(TaskConfig(), 0, limit=12).eval_set  # 9 letters and "#a=": 12 tokens
+    with pytest.raises(ConfigError, match="--rollout.max-prompt-tokens=11: the built-in task's prompts take up to 12"):
+        make_task(TaskConfig(), 0, limit=11)
+
+
+def test_a_jsonl_prompt_may_fill_the_budget_exactly_and_training_cycles_through_the_rows(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": "q" * 5 + str(i), "answer": str(i)}) + "\n" for i in range(4)))
+    task = JsonlTask(str(f), 0, 0, tok=_Tok(), limit=6)  # every prompt is 6 characters, 6 tokens
+    assert [task.train_problem(i) for i in range(4, 8)] == [task.train_problem(i) for i in range(4)]
+    assert len({task.train_problem(i).prompt for i in range(4)}) == 4
+
+
+def test_a_bad_parquet_row_is_named_by_its_number(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pyarrow.table({"prompt": ["q1", ""], "answer": ["1", "2"]}), path)
+    with pytest.raises(ConfigError, match=r"--task\.path: .*rows\.parquet: row 2: the prompt is empty"):
+        JsonlTask(str(path), 0, 0)
+
+
+def test_the_held_out_rows_come_back_in_the_sets_order_from_the_ranks_slices(monkeypatch):
+    """Three held-out prompts over two ranks: rank 0 scores prompts 0 and 2, rank 1 prompt 1."""
+    from minirl import dist
+    from minirl.tasks import held_out
+    task = make_task(TaskConfig(eval_prompts=3), 0)
+    other = {"prompt": task.eval_set[1].prompt, "completion": "2", "answer": "x", "reward": 0.0, "clipped": False}
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t.add_(__import__("torch").tensor([0.0, 1.0])))
+    monkeypatch.setattr(dist, "gather_json", lambda rows: [rows, [other]])
+    out = held_out(_Engine(), task, _Tok(), 32, rank=0, world=2)
+    assert [r["prompt"] for r in out["eval_samples"]] == [p.prompt for p in task.eval_set]
