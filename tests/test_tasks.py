@@ -315,11 +315,12 @@ def test_a_bad_parquet_row_is_named_by_its_number(tmp_path):
 
 def test_the_held_out_rows_come_back_in_the_sets_order_from_the_ranks_slices(monkeypatch):
     """Three held-out prompts over two ranks: rank 0 scores prompts 0 and 2, rank 1 prompt 1."""
+    import torch
     from minirl import dist
     from minirl.tasks import held_out
     task = make_task(TaskConfig(eval_prompts=3), 0)
     other = {"prompt": task.eval_set[1].prompt, "completion": "2", "answer": "x", "reward": 0.0, "clipped": False}
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t.add_(__import__("torch").tensor([0.0, 1.0])))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t.add_(torch.tensor([0.0, 1.0])))
     monkeypatch.setattr(dist, "gather_json", lambda rows: [rows, [other]])
     out = held_out(_Engine(), task, _Tok(), 32, rank=0, world=2)
     assert [r["prompt"] for r in out["eval_samples"]] == [p.prompt for p in task.eval_set]
