@@ -41,6 +41,7 @@ TESTS = {  # module -> the unit tests that guard it
     "tasks": ["tests/test_tasks.py", "tests/test_rewards.py"],
     "stream": ["tests/test_stream.py"],
     "logger": ["tests/test_logger.py"],
+    "flags": ["tests/test_config.py", "tests/test_launch.py"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
