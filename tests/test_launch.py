@@ -313,3 +313,40 @@ def test_a_deeply_nested_config_file_is_refused_before_yaml_scans_it(tmp_path):
     with pytest.raises(ConfigError, match=r"nests \[ or \{ more than 32 deep"):
         launch.parse(GRPOArgs, ["--config", str(f)], "")
     assert time.perf_counter() - t0 < 5  # a guard against a hang, not a benchmark (it takes ~0.1 s)
+
+
+# ---- what flags.py's mutation run asked for: each bound at its edge, each value type both ways ----
+
+def test_a_config_file_of_exactly_64_kib_and_32_levels_is_read(tmp_path):
+    at_size = tmp_path / "full.yaml"
+    head = "steps: 3\n#"
+    at_size.write_text(head + "x" * (64 * 1024 - len(head) - 1) + "\n")
+    assert os.path.getsize(at_size) == 64 * 1024 and launch.parse(GRPOArgs, ["--config", str(at_size)], "").steps == 3
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("task:\n  reward: " + "[" * 31 + "[]" + "]" * 31 + "\n")  # 32 deep, with the closing ones counted down
+    with pytest.raises(ConfigError, match=r"task\.reward="):  # read, then refused as a value, not as too deep
+        launch.parse(GRPOArgs, ["--config", str(deep)], "")
+
+
+@pytest.mark.parametrize("text, ok", [
+    ('{"task": {"reward": ["m:f", "n:g"]}}', True), ('{"task": {"reward": "m:f"}}', False),
+    ('{"task": {"reward_weights": [1, 0.5]}}', True), ('{"task": {"reward_weights": [true]}}', False),
+    ('{"rollout": {"enforce_eager": null}}', True), ('{"rollout": {"enforce_eager": true}}', True),
+    ('{"rollout": {"enforce_eager": 1}}', False), ('{"steps": 2.5}', False), ('{"steps": "3"}', True),
+    ('{"rl": {"lr": 2}}', True), ('{"task": {"path": 3}}', False), ('{"task": {"path": "p.jsonl"}}', True),
+    ('{"dry_run_device": null}', True), ('{"model": {"path": null}}', False)])
+def test_each_config_value_is_taken_or_refused_as_its_flags_type(tmp_path, text, ok):
+    f = tmp_path / "c.json"
+    f.write_text(text)
+    if ok:
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+    else:
+        with pytest.raises(ConfigError, match=r"--config: .* is not "):
+            launch.parse(GRPOArgs, ["--config", str(f)], "")
+
+
+def test_config_may_be_the_last_flag_and_a_key_given_once_is_taken(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 4\nseed: 4\n")
+    assert launch.parse(GRPOArgs, ["--seed", "1", "--config", str(f)], "").steps == 4
+    assert launch.parse(GRPOArgs, [f"--config={f}"], "").seed == 4
