@@ -289,7 +289,8 @@ def test_an_export_inside_the_checkpoint_folder_is_refused(tmp_path, inside):
 
 
 @pytest.mark.parametrize("name, text", [("twice.yaml", "rl:\n  lr: 1e-4\n  lr: 1e-5\n"),
-                                        ("twice.json", '{"rl": {"lr": 1e-4, "lr": 1e-5}}')])
+                                        ("twice.json", '{"rl": {"lr": 1e-4, "lr": 1e-5}}'),
+                                        ("after.yaml", "rl:\n  clip_eps: 0.1\n  lr: 1e-4\n  lr: 1e-5\n")])
 def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(ConfigError, match=r"the key 'lr' is given twice; give it once"):
@@ -350,3 +351,5 @@ def test_config_may_be_the_last_flag_and_a_key_given_once_is_taken(tmp_path):
     f.write_text("steps: 4\nseed: 4\n")
     assert launch.parse(GRPOArgs, ["--seed", "1", "--config", str(f)], "").steps == 4
     assert launch.parse(GRPOArgs, [f"--config={f}"], "").seed == 4
+    with pytest.raises(ConfigError, match=r"--config='' is not a file"):  # a path forgotten: said, not an IndexError
+        launch.parse(GRPOArgs, ["--config"], "")
