@@ -1,5 +1,5 @@
-"""Mutation testing of minirl's pure modules and its flag checks: plant one small bug at a time and see whether
-the module's unit tests catch it.
+"""Mutation testing of the minirl modules whose unit tests run in seconds: plant one small bug at a time and see
+whether the module's unit tests catch it.
 
     .venv/bin/python bench/mutate.py                      # every module below, 2 workers
     .venv/bin/python bench/mutate.py gae sampler --jobs 1 # some of them

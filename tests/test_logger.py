@@ -281,8 +281,7 @@ def test_a_log_made_with_its_defaults_prints_every_step_shows_two_samples_and_st
     log.close()
     out = capsys.readouterr().out.splitlines()
     assert out == ["step    1 | reward 1 | s 1", "step    2 | reward 1 | s 1", "step    3 | reward 1 | eval_acc 1 | s 1",
-                   "  sample (version None): 'q' -> '1' (answer '1', reward 1)"] + \
-                  ["  sample (version None): 'q' -> '1' (answer '1', reward 1)"]
+                   *["  sample (version None): 'q' -> '1' (answer '1', reward 1)"] * 2]
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
 
 
