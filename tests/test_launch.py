@@ -353,3 +353,50 @@ def test_config_may_be_the_last_flag_and_a_key_given_once_is_taken(tmp_path):
     assert launch.parse(GRPOArgs, [f"--config={f}"], "").seed == 4
     with pytest.raises(ConfigError, match=r"--config='' is not a file"):  # a path forgotten: said, not an IndexError
         launch.parse(GRPOArgs, ["--config"], "")
+
+
+def test_minirls_own_flags_and_values_spelled_like_trls_names_are_taken():
+    """A flag of minirl's whose last part is a TRL name, and a value that is one, are not read as TRL's flags."""
+    args = launch.parse(GRPOArgs, ["--rl.max-grad-norm", "0.5", "--rl.loss-agg-mode", "seq-mean-token-mean",
+                                   "--log.run-dir", "beta"], "")
+    assert (args.rl.max_grad_norm, args.rl.loss_agg_mode, args.log.run_dir) == (0.5, "seq-mean-token-mean", "beta")
+
+
+def test_without_an_argv_the_command_line_is_parsed(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["minirl-grpo", "--steps", "3", f"--config={tmp_path / 'a=b.yaml'}"])
+    (tmp_path / "a=b.yaml").write_text("seed: 5\n")  # a path with an `=` in it, after --config=
+    args = launch.parse(GRPOArgs, None, "")
+    assert (args.steps, args.seed, args.config) == (3, 5, str(tmp_path / "a=b.yaml"))
+
+
+def test_a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it():
+    """Strict (the training commands): a group given a value, a value given a group and a key nested too deep
+    are each named. Lenient (minirl-eval reading a run's config.json): keys it lacks are skipped, and so is
+    a group where it has a value (a run's `checkpoint` group; eval's --checkpoint is a folder)."""
+    from minirl.flags import fill
+    from minirl.tools.eval import EvalArgs
+    with pytest.raises(ConfigError, match=r"--config: rl must be a mapping"):
+        fill(GRPOArgs(), {"rl": 3}, "")
+    with pytest.raises(ConfigError, match=r"--config: steps=\{'a': 1\} is not an integer"):
+        fill(GRPOArgs(), {"steps": {"a": 1}}, "")
+    with pytest.raises(ConfigError, match=r"log\.x\.y is not a flag .* keys nest: write log: \{x\.y: \.\.\.\}"):
+        fill(GRPOArgs(), {"log.x.y": 1}, "")
+    run = GRPOArgs(seed=7).to_dict()
+    run["model"]["path"] = "runs/demo/final"
+    got = fill(EvalArgs(), run, "", lenient=True)
+    assert (got.seed, got.model.path, got.checkpoint) == (7, "runs/demo/final", "")
+    with pytest.raises(ConfigError, match=r"--config: checkpoint must be|checkpoint=.* is not a string"):
+        fill(EvalArgs(), {"checkpoint": {"every": 5}}, "")  # strict: said, not skipped
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("bad.json", '{"steps": }', "not valid JSON (JSONDecodeError: Expecting value: line 1 column 11 (char 10))"),
+    ("bad.yaml", "steps: !!python/object:" + "x" * 300 + " {}\n",
+     "not valid YAML (ConstructorError: " + ("could not determine a constructor for the tag "
+                                            "'tag:yaml.org,2002:python/object:" + "x" * 300)[:160] + ")")])
+def test_an_unreadable_config_file_is_named_with_the_parsers_first_line_cut_at_160_characters(tmp_path, name, text,
+                                                                                               says):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "")
+    assert str(e.value).endswith(says)
