@@ -42,6 +42,10 @@ TESTS = {  # module -> the unit tests that guard it
     "stream": ["tests/test_stream.py"],
     "logger": ["tests/test_logger.py"],
     "flags": ["tests/test_config.py", "tests/test_launch.py"],
+    "models": ["tests/test_models.py", "tests/test_packing.py"],
+    "checkpoint": ["tests/test_checkpoint.py"],
+    "offload": ["tests/test_offload.py"],
+    "dist": ["tests/test_dist.py"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,

@@ -205,6 +205,8 @@ class OptimConfig:
     """How token losses become the step's loss: token-mean (every token alike); seq-mean-token-mean
     (each completion's mean, then the mean over completions: the GRPO paper); seq-mean-token-sum (each
     completion's sum); seq-mean-token-sum-norm (the sum over --rollout.max-tokens: Dr. GRPO)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (PPO: of the policy and the critic)."""
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this after normalization (0 = no clip)."""
     max_skipped_steps: int = 3
@@ -332,11 +334,13 @@ def _at_least(flag: str, value: float, low: float) -> None:
 
 
 def _check_optimization(group: str, c) -> None:
-    """What --rl.* and --ppo.* share: learning rate and schedule, clips, KL, gradient clip, the stall limit."""
+    """What --rl.* and --ppo.* share: learning rate and schedule, weight decay, clips, KL, gradient clip, the stall
+    limit."""
     _positive(f"--{group}.lr", c.lr)
     _positive(f"--{group}.clip-eps", c.clip_eps)
     _at_least(f"--{group}.kl-coef", c.kl_coef, 0)
     _at_least(f"--{group}.entropy-coef", c.entropy_coef, 0)
+    _at_least(f"--{group}.weight-decay", c.weight_decay, 0)
     _at_least(f"--{group}.max-grad-norm", c.max_grad_norm, 0)
     _at_least(f"--{group}.max-skipped-steps", c.max_skipped_steps, 1)
     _at_least(f"--{group}.clip-eps-high", c.clip_eps_high, 0)

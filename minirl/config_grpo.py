@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import tyro
 
 from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, LogConfig, ModelConfig, OptimConfig,
-                           RolloutConfig, TaskConfig, _at_least, _check_numbers, _check_optimization, _check_run,
+                           RolloutConfig, TaskConfig, _check_numbers, _check_optimization, _check_run,
                            _positive)
 
 
@@ -34,8 +34,6 @@ class RLConfig(OptimConfig):
     grad_accum: tyro.conf.Suppress[int] = 1
     """Retired for GRPO (B11): the accumulation count is derived; not a flag (launch.parse refuses it by
     name, pointing at --rl.micro-batch-per-replica), and a config file that sets it is refused too."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
     scale_by_std: bool = True
     """Divide group advantages by the group's reward std."""
     deterministic: bool = False
@@ -132,7 +130,6 @@ class GRPOFlags:
                 f"the micro-batch ({self.micro_batch}) must split evenly over {dp} data-parallel rank(s); "
                 "change --rl.micro-batch-per-replica")
         _check_optimization("rl", rl)
-        _at_least("--rl.weight-decay", rl.weight_decay, 0)
         _check_run(self)
         return self
 

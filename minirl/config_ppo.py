@@ -34,6 +34,8 @@ class PPOConfig(OptimConfig):
     """Critic epochs per step, each over the whole assembled batch."""
     critic_warmup_steps: int = 0
     """First steps that train only the critic (no policy update, no refit)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay of the policy and the critic (verl's default; GRPO's is 0)."""
     value_lr: float = 1e-4
     """Critic AdamW learning rate (the peak; the same schedule as the policy's)."""
     policy_micro_batch_rows: int = 0

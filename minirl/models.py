@@ -179,7 +179,7 @@ def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: n
     return shard_built(model, kind, world, dtype, checkpointing)
 
 
-def shard_built(model: nn.Module, kind: str, world, dtype: str, checkpointing: bool = False) -> nn.Module:
+def shard_built(model: nn.Module, kind: str, world, dtype: str, checkpointing: bool) -> nn.Module:
     """The end of `sharded` for a model already built (the rehearsal builds its own on the meta device)."""
     from minirl import dist
     if checkpointing and kind != "reference":
@@ -304,7 +304,7 @@ def _ints(lengths) -> list[int]:
     return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
 
 
-def adamw(model: nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.AdamW:
+def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """Fused AdamW over the float32 masters (one kernel for every parameter; FSDP2's DTensors take it)."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
@@ -328,7 +328,7 @@ class _ChosenLogprobs(nn.Module):
     """Stands in for `lm_head`: hidden (B, T, H) -> (B, T, 2), the chosen token's log-probability and
     the distribution's entropy; the last position (no next token) is 0."""
 
-    def __init__(self, head: nn.Module, targets: torch.Tensor, entropy_grad: bool = False):
+    def __init__(self, head: nn.Module, targets: torch.Tensor, entropy_grad: bool):
         super().__init__()
         self.head, self.targets, self.entropy_grad = head, targets, entropy_grad  # targets: (B, T-1)
 
@@ -347,7 +347,7 @@ class _ChunkedHead(torch.autograd.Function):
     (per-piece bf16 sums would round at every piece). `entropy_grad`: dH/dz = -p (log p + H) flows too."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, step: int, entropy_grad: bool = False):
+    def forward(ctx, h, w, b, y, step: int, entropy_grad: bool):
         ctx.save_for_backward(h, w, b, y)
         ctx.step, ctx.entropy_grad = step, entropy_grad
         pieces = [_piece_logprobs(h[i:i + step], w, b, y[i:i + step]) for i in range(0, h.shape[0], step)]

@@ -70,7 +70,8 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
                                checkpointing=args.model.activation_checkpointing)
         ref = models.sharded(ready.path, "reference", world, args.model.dtype, like=policy) if p.kl_coef else None
     run.info(models.load_report(args.model.packing, policy))
-    policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
+    policy_opt = models.adamw(policy, p.lr, p.weight_decay)
+    value_opt = models.adamw(value, p.value_lr, p.weight_decay)
     offload, resident = offloaders(policy, policy_opt, value, value_opt, ref)
     # learning rates by optimizer step: the policy steps ppo_epochs times a step after critic warmup,
     # the critic critic_ppo_epochs times every step; a resumed run recomputes both from its step

@@ -355,7 +355,7 @@ def test_a_failed_export_leaves_the_earlier_one_whole_and_nothing_half_written(t
 
 def two_checkpoints(tmp_path, world, tiny_path, loop_state):
     policy = models.sharded(tiny_path, "policy", world, "float32")
-    parts = {"policy": (policy, models.adamw(policy, 1e-4))}
+    parts = {"policy": (policy, models.adamw(policy, 1e-4, 0.01))}
     return [checkpoint.save(str(tmp_path / "checkpoints"), s, parts, loop_state, keep=5) for s in (1, 2)]
 
 
@@ -484,7 +484,7 @@ def test_a_save_makes_its_data_durable_then_marks_renames_and_prunes_in_that_ord
     monkeypatch.setattr(os, "rename", lambda a, b: (calls.append(("rename", str(a), str(b))), real_rename(a, b))[1])
     monkeypatch.setattr(shutil, "rmtree", lambda p, **k: (calls.append(("rmtree", str(p))), real_rmtree(p, **k))[1])
     policy = models.sharded(tiny_path, "policy", world, "float32")
-    parts, d = {"policy": (policy, models.adamw(policy, 1e-4))}, str(tmp_path / "checkpoints")
+    parts, d = {"policy": (policy, models.adamw(policy, 1e-4, 0.01))}, str(tmp_path / "checkpoints")
     for step in (1, 2, 3, 4):
         calls.clear()
         final = checkpoint.save(d, step, parts, dict(GRPO_STATE), keep=2)

@@ -227,6 +227,7 @@ BOUNDS = [
     (PPOArgs, "ppo.adv_estimator.gamma", [0.0, 1.0], [-0.01, 1.01], 2, {}),
     (PPOArgs, "ppo.adv_estimator.lam", [0.0, 1.0], [-0.01, 1.01], 2, {}),
     (PPOArgs, "ppo.value_lr", [1e-12], [0.0], 2, {}),
+    (PPOArgs, "ppo.weight_decay", [0.0], [-0.01], 2, {}),
     (PPOArgs, "ppo.critic_ppo_epochs", [1], [0], 2, {}),
     (PPOArgs, "async_rl.rollout_groups_per_call", [1], [0], 2, {}),
 ]

@@ -62,6 +62,35 @@ def test_chunked_logprobs_equal_the_plain_path_at_every_piece_boundary(tiny_path
     assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) <= 1e-6 * scale
 
 
+def test_a_head_with_a_bias_adds_it_in_every_piece_and_sums_its_gradient(tiny_path, monkeypatch):
+    """An lm_head with a bias (Phi's, GPT-J's): the chunked head adds it to each piece's logits, and its
+    gradient comes out as the plain path's."""
+    def biased_policy():
+        model = models.load_policy(tiny_path)
+        head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.copy_(torch.randn(head.bias.shape, generator=torch.Generator().manual_seed(0)))
+        model.lm_head = head
+        return model
+    a, b = biased_policy(), biased_policy()
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 7 * a.config.vocab_size)  # pieces of 7 tokens
+    ids = torch.randint(3, 40, (3, 6), generator=torch.Generator().manual_seed(0))
+    plain, chunked = models.plain_token_logprobs(a, ids), models.token_logprobs(b, ids)
+    assert close(plain, chunked)
+    plain.sum().backward()
+    chunked.sum().backward()
+    assert a.lm_head.bias.grad.abs().max() > 0
+    assert close(a.lm_head.bias.grad, b.lm_head.bias.grad) and close(a.lm_head.weight.grad, b.lm_head.weight.grad)
+
+
+def test_the_reference_and_an_entropy_metric_stay_out_of_the_graph(tiny_path):
+    ref = models.load_reference(tiny_path)
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+    lp, ent = models.plain_token_logprobs(models.load_policy(tiny_path), torch.tensor([[3, 4, 5]]), entropy=True)
+    assert lp.requires_grad and not ent.requires_grad  # entropy=True: a metric, outside the graph
+
+
 def scaled_logits_model(tmp_path, arch):
     """A one-layer model of an architecture that changes its logits after lm_head, saved as a folder."""
     import transformers
@@ -91,6 +120,16 @@ def test_models_that_scale_their_logits_get_their_own_logprobs(tmp_path, world, 
         own = torch.log_softmax(policy(input_ids=ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])
         got = models.token_logprobs(policy, ids)
     assert (got[:, 1:] - own.squeeze(-1)).abs().max().item() < 1e-5
+
+
+def test_a_slight_scale_after_the_head_is_caught_too(tmp_path):
+    """Granite with logits_scaling 1.01: off by far less than a nat, still past the check's 1e-4."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GraniteConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=1, num_key_value_heads=1, logits_scaling=1.01)
+    err = models.chunked_head_error(transformers.GraniteForCausalLM(cfg))
+    assert err is not None and 1e-4 < err < 0.5
 
 
 def test_the_tiny_model_keeps_the_chunked_head(tiny_path, world):
@@ -148,12 +187,27 @@ def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_pat
     from minirl.config import ConfigError, ModelConfig
     d = copy_of(tiny_path, tmp_path)
     f = d / "model.safetensors"
+    assert models.resolve_path(ModelConfig(path=str(d))) == str(d)  # whole: its last byte is its last tensor's
+    os.truncate(f, os.path.getsize(f) - 1)
+    with pytest.raises(ConfigError, match=rf"{f} is truncated"):
+        models.resolve_path(ModelConfig(path=str(d)))
     os.truncate(f, os.path.getsize(f) - 1000)
     with pytest.raises(ConfigError, match=rf"{f} is truncated"):
+        models.resolve_path(ModelConfig(path=str(d)))
+    header = int.from_bytes(f.read_bytes()[:8], "little")
+    os.truncate(f, 8 + header - 1)  # the JSON header itself one byte short
+    with pytest.raises(ConfigError, match=r"not a readable safetensors file \(header cut short\)"):
         models.resolve_path(ModelConfig(path=str(d)))
     os.truncate(f, 4)
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
         models.resolve_path(ModelConfig(path=str(d)))
+    f.write_bytes(bytes(8) + b"{}")  # a header length of 0
+    with pytest.raises(ConfigError, match=r"not a readable safetensors file \(header cut short\)"):
+        models.resolve_path(ModelConfig(path=str(d)))
+    from safetensors.torch import save_file
+    save_file({}, str(f))  # no tensors: the header is the whole file, and that is whole
+    assert os.path.getsize(f) == 8 + int.from_bytes(f.read_bytes()[:8], "little")
+    assert models.resolve_path(ModelConfig(path=str(d))) == str(d)
 
 
 def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path):
@@ -221,8 +275,9 @@ def test_activation_checkpointing_keeps_the_gradients_and_saves_only_block_input
     from torch.distributed.tensor import DTensor
     ids = torch.randint(3, 40, (4, 24), generator=torch.Generator().manual_seed(0))
     runs = {}
-    for ac in (False, True):
-        model = models.sharded(tiny_path, kind, world, "float32", checkpointing=ac)
+    for ac in (False, True):  # off unless asked for: the first model is built with the default
+        built = dict(checkpointing=True) if ac else {}
+        model = models.sharded(tiny_path, kind, world, "float32", **built)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
                                                       lambda t: t):
@@ -259,7 +314,7 @@ def test_the_chunked_heads_weight_gradient_is_summed_over_its_pieces_in_float32(
     w = (0.3 * torch.randn(V, H, generator=g)).bfloat16().requires_grad_()
     y = torch.randint(0, V, (N,), generator=g)
     adv = torch.randn(N, generator=g)
-    (models._ChunkedHead.apply(h, w, None, y, step)[:, 0] * adv).sum().backward()
+    (models._ChunkedHead.apply(h, w, None, y, step, False)[:, 0] * adv).sum().backward()
     p = torch.softmax(h.detach().double() @ w.detach().double().t(), -1)
     d = (torch.nn.functional.one_hot(y, V).double() - p) * adv.double()[:, None]  # d loss / d logit, (N, V)
     exact = d.t() @ h.detach().double()                                             # (V, H)

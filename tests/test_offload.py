@@ -361,7 +361,7 @@ def test_a_resumed_grpo_run_sleeps_the_engine_loads_then_publishes_before_sampli
     (weights woken, loaded, KV cache woken), and only then the first generate."""
     from minirl import checkpoint, models
     policy = models.sharded(tiny_path, "policy", world, "float32")
-    ckpt = checkpoint.save(str(tmp_path / "ckpt"), 1, {"policy": (policy, models.adamw(policy, 1e-4))},
+    ckpt = checkpoint.save(str(tmp_path / "ckpt"), 1, {"policy": (policy, models.adamw(policy, 1e-4, 0.01))},
                            {"optimizer_steps": 1, "skipped": 0, "probe_done": False}, keep=2)
     load = checkpoint.load
     engines = []

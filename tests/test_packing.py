@@ -103,6 +103,7 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
     assert models.packing_error(model) is None
     assert models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
     assert not models.sharded(tiny_path, "policy", world, "float32", pack=False).pack_rows
+    assert not models.sharded(tiny_path, "policy", world, "float32").pack_rows  # packing is asked for, never assumed
     forward = type(model).forward
 
     def ignores_positions(self, *a, position_ids=None, **k):  # an attention that never sees the restarts
@@ -112,6 +113,7 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
     assert models.packing_error(model) > 1e-3
     assert not models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
     assert "off: this model mixes rows" in models.load_report(True, SimpleNamespace(pack_rows=False))
+    assert models.load_report(False, SimpleNamespace(pack_rows=False)) == "padding-free training: off (--model.no-packing)"
 
 
 def test_equal_lengths_run_padded(tiny_path):

@@ -139,13 +139,18 @@ def test_ppo_stops_after_max_skipped_steps_of_non_finite_updates(tiny_path, worl
     assert not (tmp_path / "final").exists()
 
 
-def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path, world, tmp_path):
+def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path, world, tmp_path, monkeypatch):
     """Critic warmup 2 and lr warmup 2: the policy's first optimizer step (at step 2) is step 0 of its
-    schedule, so it trains at lr / 2 then lr; the critic steps from step 0 (lr / 2, then lr)."""
+    schedule, so it trains at lr / 2 then lr; the critic steps from step 0 (lr / 2, then lr). Both
+    optimizers take --ppo.weight-decay."""
+    from minirl import models
     args = small_ppo_args(tmp_path, steps=4)
     args.ppo.critic_warmup_steps, args.ppo.lr_warmup_steps = 2, 2
-    args.ppo.lr, args.ppo.value_lr = 1e-4, 2e-4
+    args.ppo.lr, args.ppo.value_lr, args.ppo.weight_decay = 1e-4, 2e-4, 0.05
+    built, adamw = [], models.adamw
+    monkeypatch.setattr(models, "adamw", lambda *a: built.append(a[1:]) or adamw(*a))
     recs = train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
+    assert built == [(1e-4, 0.05), (2e-4, 0.05)]
     assert [r["critic_warmup"] for r in recs] == [True, True, False, False]
     assert [r["lr"] for r in recs[2:]] == pytest.approx([5e-5, 1e-4], rel=1e-9)
     assert [r["value_lr"] for r in recs] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-4], rel=1e-9)
@@ -202,7 +207,7 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
     """B25 in PPO's colocated placement: the engine sleeps before the checkpoint is loaded, and the
     restored policy is published (weights woken, loaded, KV cache woken) before the first generate."""
     from minirl import checkpoint, models
-    parts = {k: (m, models.adamw(m, 1e-4)) for k in ("policy", "value")
+    parts = {k: (m, models.adamw(m, 1e-4, 0.01)) for k in ("policy", "value")
              for m in [models.sharded(tiny_path, k, world, "float32")]}
     ckpt = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, {}, keep=2)
     args = small_ppo_args(tmp_path / "run", steps=2)

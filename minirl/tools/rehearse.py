@@ -156,7 +156,8 @@ def _ppo(args, world, cfg, chunks, ppo):
     p, dtype = args.ppo, models.DTYPES[args.model.dtype]
     policy, value = _build(cfg, "policy", world, args), _build(cfg, "value", world, args)
     ref = _build(cfg, "reference", world, args) if p.kl_coef else None
-    policy_opt, value_opt = models.adamw(policy, p.lr), models.adamw(value, p.value_lr)
+    policy_opt = models.adamw(policy, p.lr, p.weight_decay)
+    value_opt = models.adamw(value, p.value_lr, p.weight_decay)
     _warm(policy, policy_opt)
     _warm(value, value_opt)
     offload, resident = ppo.offloaders(policy, policy_opt, value, value_opt, ref)
