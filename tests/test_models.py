@@ -62,6 +62,11 @@ def test_chunked_logprobs_equal_the_plain_path_at_every_piece_boundary(tiny_path
     assert max((x - y).abs().max().item() for x, y in zip(ga, gb)) <= 1e-6 * scale
 
 
+def test_one_token_rows_have_no_next_token_to_score(tiny_path):
+    lp, ent = models.token_logprobs(models.load_policy(tiny_path), torch.tensor([[3], [4]]), entropy=True)
+    assert lp.shape == ent.shape == (2, 1) and not lp.any() and not ent.any()
+
+
 def test_a_head_with_a_bias_adds_it_in_every_piece_and_sums_its_gradient(tiny_path, monkeypatch):
     """An lm_head with a bias (Phi's, GPT-J's): the chunked head adds it to each piece's logits, and its
     gradient comes out as the plain path's."""
@@ -188,8 +193,9 @@ def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_pat
     d = copy_of(tiny_path, tmp_path)
     f = d / "model.safetensors"
     assert models.resolve_path(ModelConfig(path=str(d))) == str(d)  # whole: its last byte is its last tensor's
-    os.truncate(f, os.path.getsize(f) - 1)
-    with pytest.raises(ConfigError, match=rf"{f} is truncated"):
+    whole = os.path.getsize(f)
+    os.truncate(f, whole - 1)
+    with pytest.raises(ConfigError, match=rf"{f} is truncated \({whole - 1} bytes of {whole}\)"):
         models.resolve_path(ModelConfig(path=str(d)))
     os.truncate(f, os.path.getsize(f) - 1000)
     with pytest.raises(ConfigError, match=rf"{f} is truncated"):
@@ -217,6 +223,15 @@ def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path
     with pytest.raises(ConfigError, match=r"there is no local folder of that name, and as a hub name it could not "
                                           r"be fetched"):
         models.resolve_path(ModelConfig(path="runs/final"))
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise OSError("x" * 200 + "\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(ConfigError) as e:  # the hub's reason: its first line, cut at 160 characters
+        models.resolve_path(ModelConfig(path="runs/final"))
+    assert f"could not be fetched (OSError: {'x' * 160}); give an existing" in str(e.value)
 
 
 def test_entropy_from_the_chunked_head_equals_the_full_distributions(tiny_path, monkeypatch):

@@ -118,8 +118,9 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
 
 def test_equal_lengths_run_padded(tiny_path):
     model = models.load_policy(tiny_path)
-    model.pack_rows = True
     ids = torch.randint(3, 40, (4, 9))
+    assert models.layout(model, ids, torch.tensor([9, 2, 2, 9])) is None  # a model never checked for packing pads
+    model.pack_rows = True
     assert models.layout(model, ids, torch.tensor([9, 9, 9, 9])) is None  # nothing to save
     assert models.layout(model, ids, torch.tensor([9, 2, 2, 9])).computed == 27
 
