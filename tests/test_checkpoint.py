@@ -527,3 +527,124 @@ def test_an_export_holds_every_file_of_the_model_folder_in_the_dtype_asked(tmp_p
     with open(tmp_path / "out" / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert {t["dtype"] for k, t in header.items() if k != "__metadata__"} == {"BF16"}
+
+
+# ---- in process, no engine: what the checkpoint module's mutation run found only the end-to-end tests checking ----
+
+def test_a_save_loads_back_its_weights_optimizer_loop_state_and_every_rng(tmp_path, world, tiny_path):
+    """Save after one AdamW step, then move everything on (weights, moments, python's, numpy's and torch's
+    generators): `load` brings each back exactly and returns the loop state with what `save` adds."""
+    import random
+
+    import numpy as np
+    path, parts = saved(tmp_path, world, tiny_path)  # seeds are drawn from after the save
+    policy, opt = parts["policy"]
+    weights = [p.full_tensor().clone() for p in policy.parameters()]
+    moments = [v.full_tensor().clone() for s in opt.state.values() for v in s.values() if v.dim()]
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    checkpoint.save(str(tmp_path / "again"), 1, parts, dict(GRPO_STATE), keep=2)
+    drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+    models.token_logprobs(policy, torch.randint(3, 40, (2, 6))).sum().backward()
+    opt.step()
+    state = checkpoint.load(str(tmp_path / "again" / "step_00000001"), parts)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(weights, policy.parameters()))
+    assert all(torch.equal(a, v.full_tensor()) for a, v in zip(moments, (v for s in opt.state.values()
+                                                                          for v in s.values() if v.dim())))
+    assert {k: state[k] for k in (*GRPO_STATE, "steps_done", "world_size")} == {**GRPO_STATE, "steps_done": 1,
+                                                                               "world_size": 1}
+    assert path.endswith("step_00000001") and os.path.isfile(os.path.join(path, checkpoint.MARKER))
+
+
+def test_a_data_file_shorter_than_its_metadata_says_is_named_with_both_sizes(tmp_path, world, tiny_path):
+    first, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
+    checkpoint.check(second, "grpo", 1)
+    data = os.path.join(second, next(n for n in sorted(os.listdir(second)) if n.endswith(".distcp")))
+    size = os.path.getsize(data)
+    os.truncate(data, size - 1)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{os.path.basename(data)} is cut short \({size - 1} of "
+                                                         rf"{size} bytes\); resume from an earlier one"):
+        checkpoint.check(second, "grpo", 1)
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1) == first
+
+
+def test_auto_and_a_path_take_only_complete_checkpoints(tmp_path, world, tiny_path):
+    """`auto` passes over an interrupted save (`.tmp`) and a folder without its marker; named by path,
+    such a folder is refused."""
+    first, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
+    os.rename(second, second.replace("step_00000002", "step_00000003") + ".tmp")
+    os.remove(os.path.join(first, checkpoint.MARKER))
+    d = str(tmp_path / "checkpoints")
+    assert checkpoint.find("auto", d, "grpo", 1) is None
+    with pytest.raises(checkpoint.CheckpointError, match=r"not a complete checkpoint \(no COMPLETE marker"):
+        checkpoint.find(first, d, "grpo", 1)
+
+
+def test_a_metadata_naming_any_torch_function_is_refused(tmp_path, world, tiny_path):
+    """Only torch's dtypes are admitted from module `torch`: a pickle calling `torch.load` is not."""
+    path, _ = saved(tmp_path, world, tiny_path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(b"ctorch\nload\n.")  # GLOBAL torch.load
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata: refers to torch\.load, which"):
+        checkpoint.check(path, "ppo", 1)
+
+
+def test_a_grpo_resume_of_a_state_without_its_loop_asks_whether_it_is_ppos(tmp_path, world, tiny_path):
+    _, second = two_checkpoints(tmp_path, world, tiny_path, {})
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check(second, "grpo", 1)
+    assert str(e.value).endswith("has no optimizer_steps, skipped, probe_done (a minirl.ppo checkpoint?)")
+    _, second = two_checkpoints(tmp_path / "b", world, tiny_path, {"loop": "grpo"})
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check(second, "grpo", 1)
+    assert str(e.value).endswith("has no optimizer_steps, skipped, probe_done")
+
+
+def test_a_model_with_a_non_finite_parameter_is_never_written_and_the_parameter_is_named(tmp_path, world, tiny_path):
+    policy = models.sharded(tiny_path, "policy", world, "float32")
+    with torch.no_grad():
+        policy.model.norm.weight.to_local()[0] = float("nan")
+    with pytest.raises(checkpoint.CheckpointError, match=r"not finite \(the policy's model\.norm\.weight\)$"):
+        checkpoint.save(str(tmp_path / "c"), 1, {"policy": (policy, models.adamw(policy, 1e-4, 0.0))}, {}, keep=2)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_failed_save_names_the_os_error_or_the_room_the_shard_needs(tmp_path, world, tiny_path, monkeypatch):
+    """DCP's own error under a failed save: an OSError by its errno and file; torch's writer on a full disk
+    reports "unexpected pos", so too little room for this rank's shard (parameters and moments) is said so."""
+    import shutil
+    from types import SimpleNamespace
+    path, parts = saved(tmp_path, world, tiny_path)
+    d = str(tmp_path / "c")
+
+    def fails(error):
+        def save(*args, **kwargs):
+            raise RuntimeError("wrapped") from error
+        monkeypatch.setattr(checkpoint.dcp, "save", save)
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.save(d, 2, parts, {}, keep=2)
+        assert os.listdir(d) == []  # nothing left to resume
+        return str(e.value)
+
+    assert fails(OSError(5, "Input/output error", "x.distcp")).endswith(
+        "failed: [Errno 5] Input/output error: x.distcp; the earlier checkpoints are untouched")
+    policy, opt = parts["policy"]
+    need = sum(t.to_local().numel() * 4 for t in [*policy.parameters(), *(v for s in opt.state.values()
+                                                                            for v in s.values() if v.dim())])
+    need += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if not v.dim())
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=2**20))
+    assert (f"[Errno 28] No space left on device (1.0 MiB free under {d}, this rank's shard needs about "
+            f"{need / 2**20:.1f} MiB); free some space") in fails(RuntimeError("unexpected pos 123"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=need))
+    assert fails(ValueError("first line\nsecond")).endswith("failed: RuntimeError: wrapped; the earlier checkpoints "
+                                                            "are untouched")
+
+
+def test_a_resume_says_when_the_flags_rate_differs_from_the_checkpoints(world, tiny_path):
+    opt = models.adamw(models.load_policy(tiny_path), 1e-4, 0.0)
+    said = []
+    checkpoint.report_lr(opt, 1e-4, "--rl.lr", said.append)
+    assert said == []
+    checkpoint.report_lr(opt, 2e-4, "--rl.lr", said.append)
+    assert said == ["--rl.lr: the checkpoint's optimizer was at lr 0.0001; the schedule of the flags sets the rate, "
+                    "0.0002 at the next step"]

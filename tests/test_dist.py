@@ -243,3 +243,96 @@ def test_per_rank_decisions_are_the_meshs_where_a_ranks_own_data_would_decide_ot
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("X1 micro-batches 3") == 2 and p.stdout.count("B19 mesh-wide verdicts OK") == 2
     assert p.stdout.count("skipped on both") == 2 and p.stdout.count("both stop") == 2
+
+
+# ---- what dist.py's mutation run found unchecked by its fast tests ----
+
+def test_device_map_refuses_a_rank_outside_the_world_and_a_disaggregated_world_without_rollout_ranks():
+    from minirl.dist import device_map
+    assert device_map(1, 1, 2, 0, "colocated", "cpu").engine == torch.device("cpu")
+    with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
+        device_map(2, 0, 2, 0, "colocated", "cpu")
+    with pytest.raises(ValueError, match="with 0 rollout rank"):
+        device_map(0, 0, 2, 0, "disaggregated", "cpu")
+    assert dist.World(0, 2, 0, torch.device("cpu")).is_main and not dist.World(1, 2, 1, torch.device("cpu")).is_main
+
+
+@pytest.mark.parametrize("spec, due, onward", [
+    ("kill_in_save:3", [3], list(range(3, 10))),
+    ("kill_in_save:3-5", [3, 4, 5], [3, 4, 5]),
+    ("other:1,kill_in_save:0", [0], list(range(10))),
+    ("kill_in_save_x:3,kill_in:3", [], []),  # another fault's name, even one that starts like it
+])
+def test_a_fault_is_due_at_the_steps_its_variable_names(monkeypatch, spec, due, onward):
+    monkeypatch.setenv("MINIRL_FAULT", spec)
+    assert [s for s in range(10) if dist.fault_due("kill_in_save", s)] == due
+    assert [s for s in range(10) if dist.fault_due("kill_in_save", s, onward=True)] == onward
+
+
+@pytest.mark.parametrize("error, says", [
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:29500. This is "
+                  "typically a problem\nwith its second line"),
+     "global rank 3 lost a peer: Connection closed by peer [10.0.0.2]:29500"),
+    (RuntimeError("Connection reset by peer"), "global rank 3 lost a peer: Connection reset by peer"),
+    (BrokenPipeError("Broken pipe"), "global rank 3 lost a peer: Broken pipe"),
+])
+def test_a_lost_peer_is_named_with_this_rank_and_the_runs_store(monkeypatch, error, says):
+    monkeypatch.setitem(dist._here, "rank", 3)
+    monkeypatch.setitem(dist._here, "store", "10.0.0.1:29400")
+    assert str(dist.lost_peer(error)) == (f"{says}; the run's store is at 10.0.0.1:29400 (global rank 0, on the "
+                                          "node MASTER_ADDR names)")
+    assert dist.lost_peer(RuntimeError("CUDA out of memory")) is None
+    monkeypatch.setitem(dist._here, "rank", None)
+    monkeypatch.setitem(dist._here, "store", None)
+    anonymous = str(dist.lost_peer(error))
+    assert anonymous.startswith("this rank lost a peer: ") and "store" not in anonymous
+
+
+def test_a_first_ctrl_c_asks_for_the_save_and_says_so(world, capsys):
+    import signal
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        check = dist.sigterm_flag()
+        assert not check()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert check() and check.name == "SIGTERM" and capsys.readouterr().err == ""
+        check = dist.sigterm_flag()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert check() and check.name == "Ctrl-C"
+        assert "Ctrl-C: saving a checkpoint at the end of this step, then exiting" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_ranks_on_one_host_share_its_cores_and_a_private_world_is_restored(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        dist.place(torch.device("cpu"), 4, 0, None)
+        assert torch.get_num_threads() == 2
+        dist.place(torch.device("cpu"), 16, 0, None)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/cache")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with dist.private_world(torch.device("cpu")):
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
+        assert os.environ["VLLM_CACHE_ROOT"] == "/cache/minirl-rank5"
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["VLLM_CACHE_ROOT"]) == ("5", "2", "/cache")
+    monkeypatch.delenv("RANK")
+    with dist.private_world(torch.device("cpu")):
+        assert os.environ["VLLM_CACHE_ROOT"] == "/cache/minirl-rank0"
+    assert "RANK" not in os.environ
+
+
+def test_deterministic_mode_turns_on_torchs_deterministic_kernels():
+    try:
+        dist.set_deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

@@ -113,7 +113,8 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
     assert models.packing_error(model) > 1e-3
     assert not models.sharded(tiny_path, "policy", world, "float32", pack=True).pack_rows
     assert "off: this model mixes rows" in models.load_report(True, SimpleNamespace(pack_rows=False))
-    assert models.load_report(False, SimpleNamespace(pack_rows=False)) == "padding-free training: off (--model.no-packing)"
+    off = models.load_report(False, SimpleNamespace(pack_rows=False))
+    assert off == "padding-free training: off (--model.no-packing)"
 
 
 def test_equal_lengths_run_padded(tiny_path):
