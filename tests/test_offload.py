@@ -112,6 +112,10 @@ def test_offload_can_keep_gradients_resident(world):
     assert all(p.grad.untyped_storage().nbytes() > 0 for p in model.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     off.onload()
+    model.zero_grad(set_to_none=True)  # no gradients yet (before the first backward): nothing to keep
+    off.offload()
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    off.onload()
 
 
 def test_gradients_sharing_parameter_storage_are_refused_before_offload(world):
