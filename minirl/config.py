@@ -206,7 +206,7 @@ class OptimConfig:
     (each completion's mean, then the mean over completions: the GRPO paper); seq-mean-token-sum (each
     completion's sum); seq-mean-token-sum-norm (the sum over --rollout.max-tokens: Dr. GRPO)."""
     weight_decay: float = 0.0
-    """AdamW weight decay (PPO: of the policy and the critic)."""
+    """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this after normalization (0 = no clip)."""
     max_skipped_steps: int = 3
