@@ -531,17 +531,22 @@ def test_an_export_holds_every_file_of_the_model_folder_in_the_dtype_asked(tmp_p
 
 # ---- in process, no engine: what the checkpoint module's mutation run found only the end-to-end tests checking ----
 
+def optimizer_tensors(opt) -> list:
+    """This rank's share of every tensor in the optimizer's state: the moments and AdamW's scalar steps."""
+    return [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+
+
 def test_a_save_loads_back_its_weights_optimizer_loop_state_and_every_rng(tmp_path, world, tiny_path):
     """Save after one AdamW step, then move everything on (weights, moments, python's, numpy's and torch's
     generators): `load` brings each back exactly and returns the loop state with what `save` adds."""
     import random
 
     import numpy as np
-    path, parts = saved(tmp_path, world, tiny_path)  # seeds are drawn from after the save
+    path, parts = saved(tmp_path, world, tiny_path)  # one AdamW step taken, so the optimizer has moments
     policy, opt = parts["policy"]
     weights = [p.full_tensor().clone() for p in policy.parameters()]
-    moments = [v.full_tensor().clone() for s in opt.state.values() for v in s.values() if v.dim()]
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    moments = [t.clone() for t in optimizer_tensors(opt)]
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)  # the generators as the second save records them
     checkpoint.save(str(tmp_path / "again"), 1, parts, dict(GRPO_STATE), keep=2)
     drawn = (random.random(), np.random.rand(), torch.rand(1).item())
     models.token_logprobs(policy, torch.randint(3, 40, (2, 6))).sum().backward()
@@ -549,8 +554,7 @@ def test_a_save_loads_back_its_weights_optimizer_loop_state_and_every_rng(tmp_pa
     state = checkpoint.load(str(tmp_path / "again" / "step_00000001"), parts)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
     assert all(torch.equal(a, p.full_tensor()) for a, p in zip(weights, policy.parameters()))
-    assert all(torch.equal(a, v.full_tensor()) for a, v in zip(moments, (v for s in opt.state.values()
-                                                                          for v in s.values() if v.dim())))
+    assert all(torch.equal(a, t) for a, t in zip(moments, optimizer_tensors(opt), strict=True))
     assert {k: state[k] for k in (*GRPO_STATE, "steps_done", "world_size")} == {**GRPO_STATE, "steps_done": 1,
                                                                                "world_size": 1}
     assert path.endswith("step_00000001") and os.path.isfile(os.path.join(path, checkpoint.MARKER))
@@ -629,9 +633,8 @@ def test_a_failed_save_names_the_os_error_or_the_room_the_shard_needs(tmp_path, 
     assert fails(OSError(5, "Input/output error", "x.distcp")).endswith(
         "failed: [Errno 5] Input/output error: x.distcp; the earlier checkpoints are untouched")
     policy, opt = parts["policy"]
-    need = sum(t.to_local().numel() * 4 for t in [*policy.parameters(), *(v for s in opt.state.values()
-                                                                            for v in s.values() if v.dim())])
-    need += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if not v.dim())
+    need = sum(t.numel() * t.element_size() for t in [*(p.to_local() for p in policy.parameters()),
+                                                      *optimizer_tensors(opt)])
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=2**20))
     assert (f"[Errno 28] No space left on device (1.0 MiB free under {d}, this rank's shard needs about "
             f"{need / 2**20:.1f} MiB); free some space") in fails(RuntimeError("unexpected pos 123"))
