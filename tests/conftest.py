@@ -129,6 +129,20 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def grads(model) -> list[torch.Tensor]:
+    """Every parameter's gradient, whole (an FSDP2 shard's gathered), as a copy."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return [full(p.grad).clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-6) -> None:
+    """Two lists of gradients agree to `tol` of `want`'s largest entry (float32 rounding, no more)."""
+    assert len(got) == len(want)
+    scale = max(g.abs().max().item() for g in want)
+    diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+    assert diff <= tol * scale, (diff, scale)
+
+
 def toy_lm(vocab: int = 11, hidden: int = 16, seed: int = 0) -> torch.nn.Module:
     """A two-layer language model for pure-math tests: ids (B, T) -> logits (B, T, V)."""
     torch.manual_seed(seed)

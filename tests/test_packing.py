@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import grads
 from minirl import batch, dist, models
 from minirl.batch import Layout, plan_chunks
 
@@ -23,11 +24,6 @@ def skewed_batch(vocab_hi=40, lengths=LENGTHS, seed=0):
         ids[i, :n] = torch.randint(3, vocab_hi, (n,), generator=g)
         mask[i, 1:n] = 1.0  # every token that has a context
     return ids, mask, torch.tensor(lengths)
-
-
-def grads(model):
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    return [full(p.grad).clone() for p in model.parameters() if p.grad is not None]
 
 
 def close(a: list[torch.Tensor], b: list[torch.Tensor], tol=1e-6) -> float:

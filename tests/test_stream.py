@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import RecordingSGD
+from conftest import RecordingSGD, assert_same_grads
 from minirl.accumulator import Accumulator
 from minirl.models import load_policy, load_value
 from minirl.stream import PumpConfig, TrainPump
@@ -47,13 +47,6 @@ def pump(models, cfg, refit=None, log=None, skipped=0):
                      log=lines.append)
 
 
-def assert_same_step(got, want):
-    """Two steps' gradients (lists of tensors, the optimizer's `seen`) agree to 1e-6 of the largest entry."""
-    assert len(got) == len(want)
-    scale = max(g.abs().max().item() for g in want)
-    assert max((a - b).abs().max().item() for a, b in zip(got, want)) <= 1e-6 * scale
-
-
 CHUNKS = [(1, 4, [1, 7]), (2, 6, [3, 2, 9]), (3, 2, [5])]
 
 
@@ -69,7 +62,7 @@ def test_streamed_policy_gradient_equals_full_batch_without_normalization(models
     streamed, ms = run(models, chunks, normalize_advantages=False)
     full, mf = run(models, [merged(chunks)], normalize_advantages=False)
     g_s, g_f = streamed.policy_acc.optimizer.seen, full.policy_acc.optimizer.seen
-    assert_same_step(g_s, g_f)
+    assert_same_grads(g_s, g_f)
     assert ms["ppo_chunks"] == 3 and mf["ppo_chunks"] == 1
 
 
@@ -266,7 +259,7 @@ def test_critic_micro_batches_equal_the_whole_batch_step(models, world):
     whole, _ = run(models, chunks, critic_micro_rows=0)
     split, _ = run(models, chunks, critic_micro_rows=5)
     g_w, g_s = whole.value_opt.seen, split.value_opt.seen
-    assert_same_step(g_s, g_w)
+    assert_same_grads(g_s, g_w)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -279,7 +272,7 @@ def test_policy_micro_batches_equal_the_whole_chunk_step(models, world, agg):
     split, _ = run(models, chunks, normalize_advantages=False, policy_micro_rows=3, loss={"agg": agg, "norm_len": 8})
     assert split.events.count("policy.backward") == 2 + 2 + 1
     g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen
-    assert_same_step(g_s, g_w)
+    assert_same_grads(g_s, g_w)
     assert all(torch.allclose(a["old_logp"], b["old_logp"], atol=1e-6) for a, b in zip(whole.chunks, split.chunks))
 
 
@@ -291,7 +284,7 @@ def test_later_policy_epochs_take_the_same_micro_batches_as_the_first(models, wo
     split, _ = run(models, [c], ppo_epochs=2, normalize_advantages=False, policy_micro_rows=2)
     assert split.events.count("policy.backward") == 2 * 2 and split.policy_acc.steps == 2
     g_w, g_s = whole.policy_acc.optimizer.seen, split.policy_acc.optimizer.seen  # the second epoch's gradients
-    assert_same_step(g_s, g_w)
+    assert_same_grads(g_s, g_w)
 
 
 @pytest.mark.dist
@@ -327,7 +320,7 @@ def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(mode
     after.close()
     fresh, _ = run(models, [clean])
     g_a, g_f = after.policy_acc.optimizer.seen, fresh.policy_acc.optimizer.seen
-    assert_same_step(g_a, g_f)
+    assert_same_grads(g_a, g_f)
 
 
 def test_each_critic_epoch_sees_every_row_once_with_frozen_old_values_and_returns(models, world, monkeypatch):
