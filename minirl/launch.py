@@ -226,12 +226,9 @@ def clear(run_dir: str, checkpoint_dir: str) -> None:
     for name in os.listdir(run_dir):
         if name in OLD_RUN or name.startswith("engine") and name.endswith(".log"):
             _remove(os.path.join(run_dir, name))
-    if os.path.isdir(checkpoint_dir):
-        for name in os.listdir(checkpoint_dir):
-            if name.startswith("step_") or name == "set_aside":
-                _remove(os.path.join(checkpoint_dir, name))
-        if not os.listdir(checkpoint_dir):
-            os.rmdir(checkpoint_dir)
+    for name in os.listdir(checkpoint_dir):  # the claim made it, and holds its lock
+        if name.startswith("step_") or name == "set_aside":
+            _remove(os.path.join(checkpoint_dir, name))
 
 
 def _remove(path: str) -> None:
