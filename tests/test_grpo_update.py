@@ -65,6 +65,19 @@ def test_no_ahead_pass_at_one_minibatch():
     assert grpo_args(mu_iterations=2).needs_cached_old_logprobs
 
 
+def test_the_engines_logprobs_are_pi_old_under_their_flag(tiny_path, world):
+    """--rl.use-rollout-logprobs-for-loss: the ratio's denominator is the engine's logprob of each token
+    (here -1 for every one) from the first micro-batch on, where it would otherwise be the trainer's own."""
+    batch = synthetic_batch()
+    with torch.no_grad():
+        logp = token_logprobs(load_policy(tiny_path), batch["input_ids"])  # the weights before the step
+    want = torch.exp(logp + 1.0)[batch["mask"] > 0].max().item()
+    *_, calls, _, _ = train(tiny_path, grpo_args(use_rollout_logprobs_for_loss=True), batch=batch)
+    assert len(calls) == 1 and float(calls[0]["grpo_ratio_max"]) == pytest.approx(want, rel=1e-5)
+    *_, own, _, _ = train(tiny_path, grpo_args(), batch=synthetic_batch())
+    assert float(own[0]["grpo_ratio_max"]) == 1.0
+
+
 def test_store_readers_follow_the_ahead_pass_predicate(tiny_path, world):
     args = grpo_args(mini_batch_per_replica=8)
     policy = dist.shard(load_policy(tiny_path), world, torch.float32)
