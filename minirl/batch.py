@@ -166,10 +166,6 @@ class RolloutStore:
         self._read()
         return {**to_device(out, self.device), "lengths": lengths}
 
-    def skip(self) -> None:
-        """A planned read that will not happen (the rest of a poisoned window)."""
-        self._read()
-
     def _read(self) -> None:
         if self.reads_left <= 0:
             raise KeyError("rollout store: read after the batch was released "

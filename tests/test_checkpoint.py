@@ -76,6 +76,28 @@ def test_a_crafted_metadata_is_refused_and_its_payload_never_runs(tmp_path, worl
     assert not marker.exists()  # ...and minirl's loader never ran it
 
 
+def test_an_unreadable_loop_state_or_metadata_and_a_parameter_it_lacks_are_refused_by_name(tmp_path, world,
+                                                                                            tiny_path):
+    """Read from the files before anything is built: a loop_state.json that is not JSON, a .metadata
+    that is not DCP's pickle, and a parameter this run's model has that the checkpoint does not (a
+    policy's checkpoint offered for a critic) are each refused naming the file or the parameter."""
+    path, _ = saved(tmp_path, world, tiny_path)
+    for name, bad, words in (("loop_state.json", b"{not json", "unreadable loop_state.json"),
+                             (".metadata", b"not a pickle", "unreadable DCP metadata")):
+        good = open(os.path.join(path, name), "rb").read()
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(bad)
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(words)) as e:
+            checkpoint.check(path, "ppo", 1)
+        assert path in str(e.value)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(good)
+    checkpoint.check(path, "ppo", 1)  # whole again
+    with pytest.raises(checkpoint.CheckpointError, match=r"has no parameter 'model\.embed_tokens\.weight' for the "
+                                                         r"value: it was written for another model"):
+        checkpoint.check_shapes(path, models.on_meta(tiny_path, ("value",)))
+
+
 def test_a_crafted_optimizer_item_is_refused_and_its_payload_never_runs(tmp_path, world, tiny_path):
     """A non-tensor item (an optimizer hyperparameter) that unpickles by running a command: DCP's own
     reader would run it (torch.load with weights_only=False); minirl's refuses it first."""

@@ -400,3 +400,46 @@ def test_an_unreadable_config_file_is_named_with_the_parsers_first_line_cut_at_1
     with pytest.raises(ConfigError) as e:
         launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "")
     assert str(e.value).endswith(says)
+
+
+@pytest.mark.parametrize("error, code, line", [
+    (ConfigError("--rl.lr=-1 must be > 0"), 2, "minirl.grpo: error: --rl.lr=-1 must be > 0"),
+    ("reward", 1, "minirl.grpo: error: --task.reward m:f failed on 'abc': ValueError: no"),
+    ("late", 2, "minirl.grpo: error: --task.reward m:f failed on 'abc': took over 60 s"),
+    (KeyboardInterrupt(), 130, "minirl.grpo: interrupted (Ctrl-C)"),
+    ("stalled", 3, "minirl.grpo: stopped: 3 steps in a row were not finite"),
+    (RuntimeError("[/gloo/pair.cc:534] Connection closed by peer [10.0.0.2]:41234"), 4,
+     "minirl.grpo: error: this rank lost a peer: Connection closed by peer [10.0.0.2]:41234"),
+], ids=["flag", "reward", "reward-timeout", "ctrl-c", "stalled", "lost-peer"])
+def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code, line):
+    """launch.run: one line on stderr, no traceback, and the exit code the module docstring lists; the
+    process group is shut down on every way out."""
+    from minirl import dist, rewards
+    from minirl.accumulator import StalledError
+    error = {"reward": rewards.RewardError("m:f", "'abc'", "ValueError: no"),
+             "late": rewards.RewardTimeout("m:f", "'abc'", "took over 60 s"),
+             "stalled": StalledError("3 steps in a row were not finite")}.get(error, error)
+    ended = []
+    monkeypatch.setattr(dist, "_here", {"rank": None, "store": None})
+    monkeypatch.setattr(dist, "shutdown", lambda: ended.append("shutdown"))
+    monkeypatch.setattr(launch, "leave", lambda c: ended.append(c))
+
+    def main(argv):
+        raise error
+
+    launch.run("minirl.grpo", main, [])
+    assert ended == ["shutdown", code] and capsys.readouterr().err.splitlines() == [line]
+
+
+def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch):
+    from minirl import dist
+    ended = []
+    monkeypatch.setattr(dist, "shutdown", lambda: ended.append("shutdown"))
+    monkeypatch.setattr(launch, "leave", lambda c: ended.append(c))
+
+    def main(argv):
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        launch.run("minirl.grpo", main, [])
+    assert ended == ["shutdown"]

@@ -111,6 +111,15 @@ def test_a_prompt_given_twice_is_never_both_trained_on_and_held_out(tmp_path, ca
     assert f"{3 * len(held)} training row(s) repeat a held-out prompt; left out of training" in capsys.readouterr().out
 
 
+def test_a_file_whose_every_line_repeats_a_held_out_prompt_has_no_training_prompts(tmp_path):
+    """Ten copies of one line: two are held out, and the other eight repeat them, so nothing is left
+    to train on; refused naming the file, rather than a run of empty steps."""
+    f = tmp_path / "same.jsonl"
+    f.write_text('{"prompt": "abba#a=", "answer": "2"}\n' * 10)
+    with pytest.raises(ConfigError, match=r"--task\.path=.*same\.jsonl.*: no training prompts"):
+        JsonlTask(str(f), seed=0, eval_prompts=2)
+
+
 def test_a_jsonl_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
     f = tmp_path / "latin1.jsonl"
     f.write_bytes('{"prompt": "caf\u00e9 #a=", "answer": "1"}\n'.encode("latin-1"))
