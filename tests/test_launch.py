@@ -402,6 +402,16 @@ def test_an_unreadable_config_file_is_named_with_the_parsers_first_line_cut_at_1
     assert str(e.value).endswith(says)
 
 
+@pytest.mark.parametrize("name, data, says", [
+    ("latin1.yaml", "steps: 5 # caf\u00e9\n".encode("latin-1"), "is not UTF-8 text (invalid continuation byte at byte"),
+    ("list.yaml", b"- steps\n- 5\n", ": expected a mapping of flags, got a list"),
+    ("number.json", b"5", ": expected a mapping of flags, got a int")], ids=["latin-1", "a-list", "a-number"])
+def test_a_config_file_must_be_utf8_text_holding_a_mapping(tmp_path, name, data, says):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(f"--config={str(tmp_path / name)!r}") + ".*" + re.escape(says)):
+        launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "")
+
+
 @pytest.mark.parametrize("error, code, line", [
     (ConfigError("--rl.lr=-1 must be > 0"), 2, "minirl.grpo: error: --rl.lr=-1 must be > 0"),
     ("reward", 1, "minirl.grpo: error: --task.reward m:f failed on 'abc': ValueError: no"),
