@@ -51,6 +51,9 @@ def test_single_process_run_logs_every_step_and_exports_hf(one_rank):
     saved = load_file(d / "final" / "model.safetensors")
     assert torch.equal(m.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
     assert json.load(open(d / "config.json"))["rl"]["group_size"] == 4
+    # the engine's own start-up lines (vLLM's logger) go to <run dir>/engine.log, not the console
+    said = "Enforce eager set, disabling torch.compile"
+    assert said in (d / "engine.log").read_text() and said not in p.stdout + p.stderr
 
 
 def test_every_eval_writes_its_completions_to_samples_jsonl_and_prints_two(one_rank):

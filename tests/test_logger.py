@@ -310,3 +310,15 @@ def test_the_sinks_get_every_number_but_the_step_at_its_step_and_a_fresh_run_a_n
     assert len(first) == 12 and first.isalnum() and first == first.lower()
     RunLog(str(tmp_path), enabled=True, wandb_project="p").close()  # --log.overwrite: not the old run's W&B run
     assert inits[1]["id"] != first
+
+
+def test_an_engines_output_goes_to_its_own_log_in_the_run_dir_or_to_the_console_with_the_flag():
+    """engine.log for one engine, engine_rank<R>.log when several ranks have one; --log.engine-logs: the
+    console (None)."""
+    from minirl.config import LogConfig
+    from minirl.logger import engine_log
+    cfg = LogConfig(run_dir="runs/a")
+    assert engine_log(cfg, 0, several=False) == "runs/a/engine.log"
+    assert engine_log(cfg, 3, several=True) == "runs/a/engine_rank3.log"
+    cfg.engine_logs = True
+    assert engine_log(cfg, 3, several=True) is None
