@@ -196,6 +196,9 @@ def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
         check_out(str(theirs), str(ckpt), overwrite=True)
     (theirs / "README.md").write_text(model_card("an earlier export", "tiny", {"steps": 1}))
     check_out(str(theirs), str(ckpt), overwrite=True)  # an earlier export: may be replaced
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(ConfigError, match=r"OUT=.*a_file' is a file; give a folder"):
+        check_out(str(tmp_path / "a_file"), str(ckpt), overwrite=True)
     assert sorted(os.listdir(theirs)) == ["README.md", "config.json", "model.safetensors", "notes.txt",
                                           "tokenizer.json"]
 
@@ -453,3 +456,17 @@ def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monk
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         launch.run("minirl.grpo", main, [])
     assert ended == ["shutdown"]
+
+
+def test_export_and_eval_read_the_model_from_the_checkpoints_run_or_ask_for_the_flag(tmp_path):
+    """A checkpoint's model is its run's: <run dir>/config.json's model section; without one, say which
+    file is missing and which flag names the model instead."""
+    from minirl.tools.export import run_model_config
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: no {tmp_path / 'run' / 'config.json'} to say which "
+                                                    "model it belongs to; pass --model.path")):
+        run_model_config(str(ckpt))
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"path": "/models/mine", "dtype": "bfloat16"}}))
+    got = run_model_config(str(ckpt))
+    assert (got.path, got.dtype) == ("/models/mine", "bfloat16")

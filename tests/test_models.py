@@ -260,6 +260,7 @@ def test_the_entropy_bonus_gradient_through_the_chunked_head_equals_the_full_dis
 
 
 @pytest.mark.parametrize("broken, says", [
+    (lambda d: os.remove(d / "config.json"), "has no config.json: not a Hugging Face model folder"),
     (lambda d: (d / "config.json").write_text("{}"), "names no model_type"),
     (lambda d: [os.remove(d / n) for n in os.listdir(d) if n.startswith(("tokenizer", "vocab", "special", "merges"))],
      "has no tokenizer"),

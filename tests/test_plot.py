@@ -35,6 +35,9 @@ def test_several_reward_functions_are_drawn_in_the_reward_panel_and_one_is_not()
 def test_missing_metrics_names_the_flag(tmp_path):
     with pytest.raises(SystemExit, match="--log.run-dir"):
         plot(str(tmp_path))
+    write_run(tmp_path, [], tail='{"step": 0, "rew')  # a run that crashed before its first record was whole
+    with pytest.raises(SystemExit, match=r"no step records in .*metrics\.jsonl yet"):
+        plot(str(tmp_path))
 
 
 def test_evaluations_are_drawn_at_the_version_they_scored(tmp_path):
