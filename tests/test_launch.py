@@ -458,7 +458,7 @@ def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monk
     assert ended == ["shutdown"]
 
 
-def test_export_and_eval_read_the_model_from_the_checkpoints_run_or_ask_for_the_flag(tmp_path):
+def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tmp_path):
     """A checkpoint's model is its run's: <run dir>/config.json's model section; without one, say which
     file is missing and which flag names the model instead."""
     from minirl.tools.export import run_model_config
