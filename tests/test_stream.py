@@ -295,6 +295,17 @@ def test_two_train_ranks_whiten_over_both_shards_and_agree_on_masked_steps(tiny_
     assert p.stdout.count("whitening over both shards OK") == 2 and p.stdout.count("masked shares OK") == 2
 
 
+def test_a_non_finite_first_epoch_runs_no_later_epoch(models, world):
+    """Full batch, ppo_epochs=2, a NaN reward: the first epoch's window is dropped (B12), and the second
+    epoch never runs on it; the step goes on to the refit and the critic."""
+    c = merged([make_chunk(*x) for x in CHUNKS])
+    c["rewards"][0] = float("nan")
+    p, out = run(models, [c], ppo_epochs=2)
+    assert p.policy_acc.steps == 0 and out["skipped_nonfinite"] == 1.0
+    assert p.events.count("policy.backward") == 1 and p.events.count("policy.step") == 1
+    assert p.events[-2:] == ["value.ready", "critic.epoch"]
+
+
 @pytest.mark.parametrize("bad_at", [0, 1, 2], ids=["first", "middle", "last"])
 def test_a_non_finite_chunk_abandons_the_step_and_leaves_no_gradient_behind(models, world, bad_at):
     """A NaN reward in one of three chunks (the first, the middle or the last, so earlier chunks'
