@@ -336,3 +336,36 @@ def test_deterministic_mode_turns_on_torchs_deterministic_kernels():
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+class _Broadcasts:
+    """A refit group of one that keeps what it sends (no process group)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.sent = []
+
+    def broadcast(self, buf, src=0):
+        self.sent.append(buf.clone())
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+def test_the_refit_sends_the_manifests_parameters_and_refuses_any_other(monkeypatch):
+    """send packs each parameter at its manifest offset, bucket by bucket, and receive reads them back; a
+    parameter of another dtype or shape than the manifest's, or one more than it lists, is refused by name."""
+    monkeypatch.setattr(refit, "BUCKET_BYTES", 64)  # several buckets of a tiny model
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    buckets = refit.manifest(model, torch.bfloat16)
+    named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+    group = _Broadcasts()
+    assert refit.send(group, buckets, iter(named)) == sum(b["nbytes"] for b in buckets) and len(group.sent) > 1
+    back = iter(group.sent)
+    group.broadcast = lambda buf, src=0: (buf.copy_(next(back)), type("Done", (), {"wait": lambda s: None})())[1]
+    assert [(n, t.tolist()) for n, t in refit.receive(group, buckets)] == [(n, t.tolist()) for n, t in named]
+    wrong = [(n, t.float() if n == "1.weight" else t) for n, t in named]
+    with pytest.raises(RuntimeError, match=r"refit: parameter 1\.weight \(2, 3\) torch\.float32 does not match the "
+                                           r"manifest's 1\.weight \(2, 3\) torch\.bfloat16"):
+        refit.send(_Broadcasts(), buckets, iter(wrong))
+    with pytest.raises(RuntimeError, match="more parameters than the manifest"):
+        refit.send(_Broadcasts(), buckets, iter(named + [("2.weight", named[0][1])]))
