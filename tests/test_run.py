@@ -14,8 +14,8 @@ from minirl.run import Run
 
 def harness(tmp_path, tiny_path, world, **log):
     args = GRPOArgs()
-    args.steps, args.checkpoint.every, args.log.run_dir = 6, 2, str(tmp_path)
-    for k, v in {"eval_every": 3, **log}.items():
+    args.steps, args.checkpoint.every, args.log.run_dir = 6, 3, str(tmp_path)
+    for k, v in {"eval_every": 2, **log}.items():
         setattr(args.log, k, v)
     said = []
     run = Run(ready_for(args, tiny_path), world, "a test", rows=8)
@@ -25,10 +25,12 @@ def harness(tmp_path, tiny_path, world, **log):
 
 def test_the_harness_scores_and_saves_after_the_steps_their_flags_name_and_records_each_step(tmp_path, tiny_path,
                                                                                             world):
-    """--log.eval-every 3 and --checkpoint.every 2 over 6 steps: the policy after steps 3 and 6 is
-    scored (and the starting one), a save follows steps 2, 4 and 6 but never a step without an update;
-    each record carries its step, its wall time and the completion tokens per second of its rows."""
+    """--log.eval-every 2 and --checkpoint.every 3 over 6 steps: the starting policy and the one after
+    steps 2, 4 and 6 are scored; a save follows step 6 but not step 3, which took no update; each record
+    carries its step, its wall time and the completion tokens per second of its rows."""
     run, said = harness(tmp_path, tiny_path, world)
+    with run.phase("build"):  # before the steps: not announced unless the loop says what it does
+        pass
     run.baseline(lambda version: {"eval_accuracy": 0.25, "eval_version": version}, announce="scoring")
     assert said[0] == "scoring ..." and said[1].startswith("scoring: done in ")
     saved, seen = [], []
@@ -37,31 +39,39 @@ def test_the_harness_scores_and_saves_after_the_steps_their_flags_name_and_recor
         with run.phase("train"):
             time.sleep(0.01)
         record = {"completion_len_mean": 10.0, **({"eval_accuracy": 0.5} if run.evaluates(step) else {})}
-        run.end_step(step, record, stepped=step != 3, save=lambda: saved.append(step))
+        run.end_step(step, record, stepped=step != 2, save=lambda: saved.append(step))
     assert seen == list(range(6)) and run.done == 6 and run.stopped == ""
-    assert [s for s in range(6) if run.evaluates(s)] == [2, 5]
-    assert saved == [1, 5]  # after steps 2 and 6; step 4 (index 3) took no update
-    assert "step 0: train ..." in said and not [x for x in said if x.startswith("step 1")]  # the warm-up, said
+    assert [s for s in range(6) if run.evaluates(s)] == [1, 3, 5]
+    assert saved == [5]  # after step 6; step 3 (index 2) took no update
+    assert "step 0: train ..." in said and not [x for x in said if x.startswith(("step 1", "step 0: build"))]
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert records[0] == {"step": 0, "eval_accuracy": 0.25, "eval_version": 0, "time/eval": records[0]["time/eval"]}
+    assert {k: v for k, v in records[0].items() if not k.startswith("time/")} == {
+        "step": 0, "eval_accuracy": 0.25, "eval_version": 0}  # the build's time rides along
     steps = records[1:]
     assert [r["step"] for r in steps] == list(range(6))
-    assert [("eval_accuracy" in r) for r in steps] == [False, False, True, False, False, True]
+    assert [("eval_accuracy" in r) for r in steps] == [False, True, False, True, False, True]
     for r in steps:
         assert 0.01 <= r["time/step"] < 5 and r["time/train"] >= 0.01
         assert r["tokens_per_s"] == pytest.approx(10.0 * 8 / r["time/step"])
 
 
+def test_a_run_that_never_evaluates_scores_no_starting_policy(tmp_path, tiny_path, world):
+    run, _ = harness(tmp_path, tiny_path, world, eval_every=0)
+    run.baseline(lambda version: pytest.fail("scored"))
+    assert not [s for s in range(6) if run.evaluates(s)]
+
+
 def test_the_target_accuracy_stops_the_run_at_the_step_that_reaches_it(tmp_path, tiny_path, world):
     """--log.target-eval-accuracy 0.5: a step scored at exactly 0.5 is the last, with a line saying so;
-    below it the run goes on."""
-    run, said = harness(tmp_path, tiny_path, world, eval_every=1, target_eval_accuracy=0.5)
-    accuracy = {0: 0.25, 1: 0.49, 2: 0.5, 3: 0.75}
+    below it, or unscored, the run goes on."""
+    run, said = harness(tmp_path, tiny_path, world, eval_every=2, target_eval_accuracy=0.5)
+    accuracy = {1: 0.49, 3: 0.5, 5: 0.75}  # the steps between are not scored
     seen = []
     for step in run.steps():
         seen.append(step)
-        run.end_step(step, {"completion_len_mean": 1.0, "eval_accuracy": accuracy[step]}, True, save=lambda: None)
-    assert seen == [0, 1, 2] and run.stopped == "target"
+        scored = {"eval_accuracy": accuracy[step]} if step in accuracy else {}
+        run.end_step(step, {"completion_len_mean": 1.0, **scored}, True, save=lambda: None)
+    assert seen == [0, 1, 2, 3] and run.stopped == "target"
     assert said[-1] == "eval_accuracy 0.500 reached --log.target-eval-accuracy=0.5; stopping"
 
 
