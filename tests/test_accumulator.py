@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import RecordingSGD, assert_same_grads, toy_lm, toy_logprobs
+from conftest import RecordingSGD, toy_lm, toy_logprobs
 from minirl.accumulator import Accumulator, roll_up
 from minirl.objective import AGG_MODES, policy_loss
 
@@ -77,7 +77,9 @@ def test_deferred_normalization_matches_unchunked_on_unequal_chunks(world, agg):
         model = copy.deepcopy(chunked)
         opt_c, acc, _ = run_window(model, batch, n_micro=n_micro, agg=agg)
         assert acc.steps == 1
-        assert_same_grads(opt_c.seen, opt_w.seen, tol=5e-6)  # the largest: ~1e-2 under a mean, ~0.3 under a sum
+        scale = max(g.abs().max().item() for g in opt_w.seen)  # ~1e-2 under a mean, ~0.3 under a token sum
+        for gw, gc in zip(opt_w.seen, opt_c.seen):
+            assert (gw - gc).abs().max().item() < 5e-6 * scale, n_micro
 
 
 def test_mean_of_means_would_be_wrong_on_these_chunks(world):

@@ -5,6 +5,7 @@ the CUDA world's backend, the collectives' device check and the float32 master w
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -338,17 +339,22 @@ def test_deterministic_mode_turns_on_torchs_deterministic_kernels():
         torch.backends.cudnn.deterministic = False
 
 
+
 class _Broadcasts:
-    """A refit group of one that keeps what it sends (no process group)."""
+    """A refit group of one (no process group): a send keeps each buffer; given `sent`, a receive gets them back."""
 
     device = torch.device("cpu")
 
-    def __init__(self):
-        self.sent = []
+    def __init__(self, sent=()):
+        self.sent, self._replay = [], iter(sent)
 
     def broadcast(self, buf, src=0):
-        self.sent.append(buf.clone())
-        return type("Done", (), {"wait": lambda self: None})()
+        arrived = next(self._replay, None)
+        if arrived is None:
+            self.sent.append(buf.clone())
+        else:
+            buf.copy_(arrived)
+        return SimpleNamespace(wait=lambda: None)
 
 
 def test_the_refit_sends_the_manifests_parameters_and_refuses_any_other(monkeypatch):
@@ -358,11 +364,10 @@ def test_the_refit_sends_the_manifests_parameters_and_refuses_any_other(monkeypa
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     buckets = refit.manifest(model, torch.bfloat16)
     named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
-    group = _Broadcasts()
-    assert refit.send(group, buckets, iter(named)) == sum(b["nbytes"] for b in buckets) and len(group.sent) > 1
-    back = iter(group.sent)
-    group.broadcast = lambda buf, src=0: (buf.copy_(next(back)), type("Done", (), {"wait": lambda s: None})())[1]
-    assert [(n, t.tolist()) for n, t in refit.receive(group, buckets)] == [(n, t.tolist()) for n, t in named]
+    trainer = _Broadcasts()
+    assert refit.send(trainer, buckets, iter(named)) == sum(b["nbytes"] for b in buckets) and len(trainer.sent) > 1
+    received = refit.receive(_Broadcasts(trainer.sent), buckets)
+    assert [(n, t.tolist()) for n, t in received] == [(n, t.tolist()) for n, t in named]
     wrong = [(n, t.float() if n == "1.weight" else t) for n, t in named]
     with pytest.raises(RuntimeError, match=r"refit: parameter 1\.weight \(2, 3\) torch\.float32 does not match the "
                                            r"manifest's 1\.weight \(2, 3\) torch\.bfloat16"):

@@ -457,21 +457,3 @@ def test_colocated_grpo_offloads_the_reference_too_while_the_engine_is_awake(wor
                "--rl.kl-coef", "0.1", "--log.run-dir", str(tmp_path / "run")])
     assert on_card_while_awake(log, {"policy", "ref"}) == []
     assert log.count("onload:ref") == log.count("onload:policy") == 3  # two updates and the export
-
-
-def test_the_engine_refuses_weights_while_asleep_and_samples_only_awake_with_fresh_weights():
-    """The real Engine's guards (the recording engine above stands in for its vLLM calls only): weights
-    while asleep, and a generate before the KV cache is back or after a level-2 sleep before a full load."""
-    eng = RecordingEngine("unused", RolloutConfig(), 32, torch.device("cpu"))
-    eng.sleep(1)
-    with pytest.raises(RuntimeError, match=r"load_weights\(\) while asleep"):
-        Engine.load_weights(eng, [])
-    eng.wake_up(["weights"])
-    with pytest.raises(RuntimeError, match="generate\\(\\) while the engine is weights \\(hand-off order bug\\)"):
-        Engine.generate(eng, [[3]], [0], 1)
-    eng.wake_up(["kv_cache"])
-    eng.sleep(2)
-    eng.wake_up(["weights"])
-    eng.wake_up(["kv_cache"])
-    with pytest.raises(RuntimeError, match="while the engine is awake with stale weights"):
-        Engine.generate(eng, [[3]], [0], 1)

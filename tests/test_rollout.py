@@ -102,6 +102,8 @@ def test_sleep_wake_state_machine(engine, prompts):
     engine.sleep(1)  # idempotent
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(prompts, [1, 2, 3], 1)
+    with pytest.raises(RuntimeError, match=r"load_weights\(\) while asleep"):
+        engine.load_weights(iter([]))
     engine.wake_up(["weights"])
     engine.sleep(1)  # sleeping after a weights-only wake releases the weights again
     assert engine.state == "asleep"
