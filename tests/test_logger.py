@@ -118,6 +118,21 @@ def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [0, 0, 1, 1, 2, 2] and all(r["split"] == "train" for r in rows)
 
 
+def test_tensorboard_gets_each_records_numbers_with_the_real_package(tmp_path):
+    """The real TensorBoard writer (the dev extra installs it): every number of a record is a scalar at its
+    step, read back from the event file; text and the step itself are not."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    log = RunLog(str(tmp_path), enabled=True, tensorboard=True)
+    for s in range(3):
+        log.write({"step": s, "reward_mean": s / 10, "eval_accuracy": None, "time/step": 0.5, "note": "x"})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward_mean", "time/step"]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward_mean")] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+
+
 def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
     with pytest.raises(ConfigError, match=r"metrics\.jsonl: not UTF-8 text .* move it aside"):
