@@ -305,6 +305,8 @@ ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: 
 def build_tiny(shape: TinyModelConfig) -> str:
     """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a first run's stderr holds its errors only, not a save's progress bar
 
     key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
     path = os.path.join(cache_dir(), f"tiny-{key}")

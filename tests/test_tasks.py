@@ -139,15 +139,21 @@ def test_a_run_that_evaluates_needs_held_out_prompts(tmp_path):
     assert make_task(cfg, 0).eval_set == [] and len(make_task(cfg, 0).rows) == 4
 
 
-def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch):
+def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch, capfd):
     """What a fresh machine does first (`make demo`, the suite's first fixture): build the built-in model
-    into an empty cache folder, warm start included, and load it back; a second call finds it."""
+    into an empty cache folder, warm start included, and load it back; a second call finds it. The build
+    writes nothing to stderr (transformers' "Writing model shards" bar once broke a first run's one-line
+    error)."""
+    from transformers.utils import logging as hf_logging
     from minirl.config import TinyModelConfig
     from minirl.models import load_policy, load_tokenizer
     from minirl.tasks import build_tiny
     monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "cache"))
+    hf_logging.enable_progress_bar()  # as in a fresh process: an earlier load in this one turned the bars off
+    capfd.readouterr()
     shape = TinyModelConfig(hidden_size=64, num_heads=1, intermediate_size=64, warm_start_steps=1)
     path = build_tiny(shape)
+    assert capfd.readouterr().err == ""
     assert path.startswith(str(tmp_path / "cache")) and build_tiny(shape) == path
     policy = load_policy(path)
     assert policy.config.hidden_size == 64 and load_tokenizer(path)("ab#a=").input_ids
