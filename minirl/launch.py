@@ -113,7 +113,7 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     leave(code)
 
 
-def leave(code: int = 0) -> None:
+def leave(code: int) -> None:
     """Exit without the interpreter's teardown once everything is closed: C++ threads of the libraries
     underneath can abort there ("terminate called without an active exception", about one multi-rank
     run in ten), which would fail a finished run."""

@@ -416,6 +416,7 @@ def test_a_config_file_must_be_utf8_text_holding_a_mapping(tmp_path, name, data,
 
 
 @pytest.mark.parametrize("error, code, line", [
+    (None, 0, None),
     (ConfigError("--rl.lr=-1 must be > 0"), 2, "minirl.grpo: error: --rl.lr=-1 must be > 0"),
     ("reward", 1, "minirl.grpo: error: --task.reward m:f failed on 'abc': ValueError: no"),
     ("late", 2, "minirl.grpo: error: --task.reward m:f failed on 'abc': took over 60 s"),
@@ -423,10 +424,10 @@ def test_a_config_file_must_be_utf8_text_holding_a_mapping(tmp_path, name, data,
     ("stalled", 3, "minirl.grpo: stopped: 3 steps in a row were not finite"),
     (RuntimeError("[/gloo/pair.cc:534] Connection closed by peer [10.0.0.2]:41234"), 4,
      "minirl.grpo: error: this rank lost a peer: Connection closed by peer [10.0.0.2]:41234"),
-], ids=["flag", "reward", "reward-timeout", "ctrl-c", "stalled", "lost-peer"])
+], ids=["done", "flag", "reward", "reward-timeout", "ctrl-c", "stalled", "lost-peer"])
 def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code, line):
-    """launch.run: one line on stderr, no traceback, and the exit code the module docstring lists; the
-    process group is shut down on every way out."""
+    """launch.run: one line on stderr, no traceback, and the exit code the module docstring lists (a run that
+    ends well: 0 and nothing on stderr); the process group is shut down on every way out."""
     from minirl import dist, rewards
     from minirl.accumulator import StalledError
     error = {"reward": rewards.RewardError("m:f", "'abc'", "ValueError: no"),
@@ -438,10 +439,11 @@ def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, caps
     monkeypatch.setattr(launch, "leave", lambda c: ended.append(c))
 
     def main(argv):
-        raise error
+        if error is not None:
+            raise error
 
     launch.run("minirl.grpo", main, [])
-    assert ended == ["shutdown", code] and capsys.readouterr().err.splitlines() == [line]
+    assert ended == ["shutdown", code] and capsys.readouterr().err.splitlines() == ([line] if line else [])
 
 
 def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch):
@@ -470,3 +472,42 @@ def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tm
     (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"path": "/models/mine", "dtype": "bfloat16"}}))
     got = run_model_config(str(ckpt))
     assert (got.path, got.dtype) == ("/models/mine", "bfloat16")
+
+
+def test_a_disaggregated_resume_is_checked_against_the_train_ranks_not_the_launchs(tmp_path, world, tiny_path,
+                                                                                   monkeypatch):
+    """PPO launched on 2 ranks, one of them generating: the checkpoint its 1 train rank wrote is the one to
+    resume (preflight checks it against the trainer's world, not the launch's 2 ranks)."""
+    from minirl import checkpoint, models
+    from minirl.config_ppo import PPOArgs
+    policy, value = (models.sharded(tiny_path, kind, world, "float32") for kind in ("policy", "value"))
+    parts = {"policy": (policy, models.adamw(policy, 1e-4, 0)), "value": (value, models.adamw(value, 1e-4, 0))}
+    saved = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, {"loop": "ppo"}, keep=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ready = launch.preflight(PPOArgs, ["--steps", "2", "--log.eval-every", "0", "--checkpoint.resume", saved,
+                                       "--log.run-dir", str(tmp_path / "run")], None)
+    assert ready.resume == saved and ready.args.grid.rollout_ranks == 1
+
+
+def test_the_engines_context_is_the_prompt_budget_plus_the_completion_cap(tmp_path, tiny_path):
+    """200 prompt tokens and 100 completion tokens do not fit the built-in model's 256 positions: refused
+    before anything is built, naming both flags."""
+    with pytest.raises(ConfigError, match=r"--rollout.max-prompt-tokens \+ --rollout.max-tokens = 300 tokens is "
+                                          r"over the model's 256 positions"):
+        launch.preflight(GRPOArgs, ["--rollout.max-prompt-tokens", "200", "--rollout.max-tokens", "100",
+                                    "--log.run-dir", str(tmp_path)], None)
+
+
+def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(tmp_path, monkeypatch, capsys):
+    """`--dry-run` is the tools' one door: the plan is printed and no run comes back; the rehearsal (its child
+    process stood in for here) starts only under --rehearse, and only on rank 0."""
+    from minirl.tools import rehearse
+    rehearsed = []
+    monkeypatch.setattr(rehearse, "run", lambda argv, loop: rehearsed.append(loop))
+    monkeypatch.delenv("MINIRL_REHEARSAL_CHILD", raising=False)
+    flags = ["--dry-run", "--dry-run-device", "cuda", "--log.run-dir", str(tmp_path / "run")]
+    assert launch.preflight(GRPOArgs, flags, None) is None
+    assert rehearsed == [] and "plan: minirl.grpo" in capsys.readouterr().out and not os.path.exists(tmp_path / "run")
+    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]
+    monkeypatch.setenv("RANK", "1")
+    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]

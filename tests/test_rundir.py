@@ -105,3 +105,31 @@ def test_a_checkpoint_folder_in_use_by_a_live_run_is_refused_naming_it(tmp_path,
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_run_that_logged_no_step_is_started_over_under_an_identity_of_its_own(tmp_path, monkeypatch):
+    """A run killed before its first record leaves run.json and an empty metrics.jsonl: `auto` with no
+    checkpoint starts fresh there (nothing of a run to keep), as a new run, not the dead one."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.checkpoint.resume = str(tmp_path), "auto"
+    owner = launch.claim(args, None)
+    assert owner["run"] != "old" and owner["line"] == owner["run"] and launch.identity(str(tmp_path)) == owner
+
+
+def test_auto_continues_the_line_and_sets_nothing_aside(tmp_path, monkeypatch):
+    """`auto` resumes the newest complete checkpoint of the run's own line: the identity is kept and a newer
+    unfinished save (step_4.tmp) stays where it is; only a resume by path starts a line and sets newer ones aside."""
+    ckpts = tmp_path / "checkpoints"
+    for name in ("step_00000002", "step_00000004.tmp"):
+        os.makedirs(ckpts / name)
+    (ckpts / "step_00000002" / "loop_state.json").write_text('{"steps_done": 2}')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (tmp_path / "run.json").write_text('{"run": "r1", "line": "r1", "from": 0}')
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.checkpoint.resume = str(tmp_path), "auto"
+    assert launch.claim(args, str(ckpts / "step_00000002")) == {"run": "r1", "line": "r1", "from": 0}
+    assert sorted(os.listdir(ckpts)) == [".lock", "step_00000002", "step_00000004.tmp"]
