@@ -474,19 +474,27 @@ def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tm
     assert (got.path, got.dtype) == ("/models/mine", "bfloat16")
 
 
-def test_a_disaggregated_resume_is_checked_against_the_train_ranks_not_the_launchs(tmp_path, world, tiny_path,
-                                                                                   monkeypatch):
-    """PPO launched on 2 ranks, one of them generating: the checkpoint its 1 train rank wrote is the one to
-    resume (preflight checks it against the trainer's world, not the launch's 2 ranks)."""
+@pytest.mark.parametrize("loop, world_size", [("ppo", "2"), ("grpo", None)])
+def test_a_resume_is_checked_against_the_train_ranks_not_the_launchs(tmp_path, world, tiny_path, monkeypatch, loop,
+                                                                     world_size):
+    """The checkpoint a run's trainer wrote is the one to resume: PPO launched on 2 ranks, one of them
+    generating, resumes its 1 train rank's; GRPO started without a launcher (no WORLD_SIZE) is one rank,
+    which a batch of one group fits."""
     from minirl import checkpoint, models
     from minirl.config_ppo import PPOArgs
-    policy, value = (models.sharded(tiny_path, kind, world, "float32") for kind in ("policy", "value"))
-    parts = {"policy": (policy, models.adamw(policy, 1e-4, 0)), "value": (value, models.adamw(value, 1e-4, 0))}
-    saved = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, {"loop": "ppo"}, keep=1)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    ready = launch.preflight(PPOArgs, ["--steps", "2", "--log.eval-every", "0", "--checkpoint.resume", saved,
-                                       "--log.run-dir", str(tmp_path / "run")], None)
-    assert ready.resume == saved and ready.args.grid.rollout_ranks == 1
+    kinds = ("policy", "value") if loop == "ppo" else ("policy",)
+    models_ = {kind: models.sharded(tiny_path, kind, world, "float32") for kind in kinds}
+    parts = {kind: (m, models.adamw(m, 1e-4, 0)) for kind, m in models_.items()}
+    state = {"loop": loop, **({"optimizer_steps": 1, "skipped": 0, "probe_done": True} if loop == "grpo" else {})}
+    saved = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, state, keep=1)
+    if world_size:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cls, sizes = (PPOArgs, []) if loop == "ppo" else (GRPOArgs, ["--rl.batch-per-replica", "8", "--rl.group-size", "8"])
+    ready = launch.preflight(cls, [*sizes, "--steps", "2", "--log.eval-every", "0", "--checkpoint.resume", saved,
+                                   "--log.run-dir", str(tmp_path / "run")], None)
+    assert ready.resume == saved
 
 
 def test_the_engines_context_is_the_prompt_budget_plus_the_completion_cap(tmp_path, tiny_path):
@@ -511,3 +519,12 @@ def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(
     assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]
     monkeypatch.setenv("RANK", "1")
     assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]
+
+
+def test_rows_are_padded_with_the_tokenizers_pad_or_else_its_eos():
+    """A tokenizer without a pad token (many base models) pads with EOS; one whose pad id is 0 keeps 0."""
+    from types import SimpleNamespace
+    tok = SimpleNamespace(pad_token_id=None, eos_token_id=7)
+    assert launch.Ready(None, "", tok, None, None).pad_id == 7
+    tok.pad_token_id = 0
+    assert launch.Ready(None, "", tok, None, None).pad_id == 0

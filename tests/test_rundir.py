@@ -115,8 +115,12 @@ def test_a_run_that_logged_no_step_is_started_over_under_an_identity_of_its_own(
     monkeypatch.delenv("RANK", raising=False)
     args = GRPOArgs()
     args.log.run_dir, args.checkpoint.resume = str(tmp_path), "auto"
+    os.makedirs(tmp_path / "checkpoints" / "step_00000001.tmp")  # the dead run's unfinished save
     owner = launch.claim(args, None)
     assert owner["run"] != "old" and owner["line"] == owner["run"] and launch.identity(str(tmp_path)) == owner
+    args.checkpoint.resume = ""  # a plain fresh start there too: nothing is set aside (that is a resume by path's)
+    assert launch.claim(args, None)["run"] not in ("old", owner["run"])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".lock", "step_00000001.tmp"]
 
 
 def test_auto_continues_the_line_and_sets_nothing_aside(tmp_path, monkeypatch):
