@@ -511,14 +511,16 @@ def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(
     process stood in for here) starts only under --rehearse, and only on rank 0."""
     from minirl.tools import rehearse
     rehearsed = []
-    monkeypatch.setattr(rehearse, "run", lambda argv, loop: rehearsed.append(loop))
+    monkeypatch.setattr(rehearse, "run", lambda argv, loop: rehearsed.append((loop, argv)))
     monkeypatch.delenv("MINIRL_REHEARSAL_CHILD", raising=False)
+    monkeypatch.delenv("RANK", raising=False)  # started without a launcher: rank 0
     flags = ["--dry-run", "--dry-run-device", "cuda", "--log.run-dir", str(tmp_path / "run")]
     assert launch.preflight(GRPOArgs, flags, None) is None
     assert rehearsed == [] and "plan: minirl.grpo" in capsys.readouterr().out and not os.path.exists(tmp_path / "run")
-    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]
+    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None
+    assert rehearsed == [("grpo", [*flags, "--rehearse"])]  # the child gets this command's own flags
     monkeypatch.setenv("RANK", "1")
-    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and rehearsed == ["grpo"]
+    assert launch.preflight(GRPOArgs, [*flags, "--rehearse"], None) is None and len(rehearsed) == 1
 
 
 def test_rows_are_padded_with_the_tokenizers_pad_or_else_its_eos():

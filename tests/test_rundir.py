@@ -48,11 +48,12 @@ def test_overwrite_starts_the_run_dir_clean_of_the_old_run(tmp_path, monkeypatch
     os.makedirs(tmp_path / "checkpoints" / "set_aside" / "20261201-000000" / "step_00000005")
     (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "train.log").write_text("mine too")  # e.g. nohup's output, sent into the run directory
     monkeypatch.delenv("RANK", raising=False)
     args = GRPOArgs()
     args.log.run_dir, args.log.overwrite = str(tmp_path), True
     owner = launch.claim(args, None)
-    assert sorted(os.listdir(tmp_path)) == [".lock", "checkpoints", "notes.txt", "run.json"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "checkpoints", "notes.txt", "run.json", "train.log"]
     assert os.listdir(tmp_path / "checkpoints") == [".lock"]  # the new run's lock on its checkpoint folder
     assert launch.identity(str(tmp_path)) == owner and owner["run"] != "old" and owner["from"] == 0
 
@@ -137,3 +138,21 @@ def test_auto_continues_the_line_and_sets_nothing_aside(tmp_path, monkeypatch):
     args.log.run_dir, args.checkpoint.resume = str(tmp_path), "auto"
     assert launch.claim(args, str(ckpts / "step_00000002")) == {"run": "r1", "line": "r1", "from": 0}
     assert sorted(os.listdir(ckpts)) == [".lock", "step_00000002", "step_00000004.tmp"]
+
+
+def test_a_resume_by_path_starts_a_line_and_sets_the_newer_checkpoints_aside(tmp_path, monkeypatch):
+    """Resuming step 2 by path while steps 4 and 6 exist: the run keeps its id on a new line from step 2, and
+    steps 4 and 6 are moved (never deleted) to set_aside/<time>/; what is not a later step stays put."""
+    ckpts = tmp_path / "checkpoints"
+    for name in ("step_00000002", "step_00000004", "step_00000006", "set_aside"):
+        os.makedirs(ckpts / name)
+    (ckpts / "step_00000002" / "loop_state.json").write_text('{"steps_done": 2}')
+    (tmp_path / "run.json").write_text('{"run": "r1", "line": "r1", "from": 0}')
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.checkpoint.resume = str(tmp_path), str(ckpts / "step_00000002")
+    owner = launch.claim(args, args.checkpoint.resume)
+    assert owner["run"] == "r1" and owner["line"] != "r1" and owner["from"] == 2
+    assert sorted(os.listdir(ckpts)) == [".lock", "set_aside", "step_00000002"]
+    (aside,) = os.listdir(ckpts / "set_aside")
+    assert sorted(os.listdir(ckpts / "set_aside" / aside)) == ["step_00000004", "step_00000006"]
