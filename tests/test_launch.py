@@ -483,8 +483,8 @@ def test_a_resume_is_checked_against_the_train_ranks_not_the_launchs(tmp_path, w
     from minirl import checkpoint, models
     from minirl.config_ppo import PPOArgs
     kinds = ("policy", "value") if loop == "ppo" else ("policy",)
-    models_ = {kind: models.sharded(tiny_path, kind, world, "float32") for kind in kinds}
-    parts = {kind: (m, models.adamw(m, 1e-4, 0)) for kind, m in models_.items()}
+    built = {kind: models.sharded(tiny_path, kind, world, "float32") for kind in kinds}
+    parts = {kind: (m, models.adamw(m, 1e-4, 0)) for kind, m in built.items()}
     state = {"loop": loop, **({"optimizer_steps": 1, "skipped": 0, "probe_done": True} if loop == "grpo" else {})}
     saved = checkpoint.save(str(tmp_path / "ckpt"), 1, parts, state, keep=1)
     if world_size:
