@@ -48,6 +48,7 @@ TESTS = {  # module -> the unit tests that guard it
     "dist": ["tests/test_dist.py"],
     "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
     "launch": ["tests/test_launch.py", "tests/test_rundir.py"],
+    "tools/plot": ["tests/test_plot.py"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
