@@ -49,6 +49,11 @@ TESTS = {  # module -> the unit tests that guard it
     "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
     "launch": ["tests/test_launch.py", "tests/test_rundir.py"],
     "tools/plot": ["tests/test_plot.py"],
+    "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
+        "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",
+        "export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag",
+        "what_a_checkpoint_argument_is_instead_is_said_from_its_files",
+        "export_never_writes_over_the_root_the_working_directory_or_the_run")],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,

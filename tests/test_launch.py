@@ -530,3 +530,51 @@ def test_rows_are_padded_with_the_tokenizers_pad_or_else_its_eos():
     assert launch.Ready(None, "", tok, None, None).pad_id == 7
     tok.pad_token_id = 0
     assert launch.Ready(None, "", tok, None, None).pad_id == 0
+
+
+def test_what_a_checkpoint_argument_is_instead_is_said_from_its_files(tmp_path):
+    """check_checkpoint reads only names: a run directory (by its metrics.jsonl or its checkpoints/) names its
+    newest complete checkpoint or says it has none, and points at final/ only where there is one; a folder is a
+    checkpoint by its loop_state.json or DCP's .metadata; a folder with neither gets the Hugging Face hint only
+    where it holds a config.json."""
+    from minirl.tools.export import check_checkpoint
+
+    def says(folder):
+        with pytest.raises(ConfigError) as e:
+            check_checkpoint(str(folder), "CHECKPOINT")
+        return str(e.value).split(" is ", 1)[1]
+
+    logged, saved = tmp_path / "logged", tmp_path / "saved"
+    logged.mkdir()
+    (logged / "metrics.jsonl").write_text("")
+    assert says(logged) == "a run directory; give one of its checkpoints (it has none)"
+    newest = saved / "checkpoints" / "step_00000002"
+    newest.mkdir(parents=True)
+    (newest / "COMPLETE").write_text("2\n")
+    (newest / "loop_state.json").write_text('{"steps_done": 2}')
+    assert says(saved) == f"a run directory; give one of its checkpoints (the newest is {newest})"
+    (saved / "final").mkdir()
+    assert says(saved).endswith(f"), or use its exported policy: --model.path {saved / 'final'}")
+    assert says(saved / "final") == ("not a training checkpoint (no loop_state.json); give <run dir>/checkpoints/"
+                                     "step_N")
+    (saved / "final" / "config.json").write_text("{}")
+    assert says(saved / "final").endswith("step_N, or a Hugging Face folder as --model.path")
+    for name in ("loop_state.json", ".metadata"):  # either file makes it a checkpoint; a partial one fails at load
+        one = tmp_path / name
+        one.mkdir()
+        (one / name).write_text("{}")
+        check_checkpoint(str(one), "CHECKPOINT")
+
+
+@pytest.mark.parametrize("out", ["/", ".", "..", "run", "run/checkpoints/step_00000002"])
+def test_export_never_writes_over_the_root_the_working_directory_or_the_run(tmp_path, monkeypatch, out):
+    """OUT may not be `/`, the working directory or a folder above it, the checkpoint's run or the checkpoint
+    itself, even with --overwrite: refused from the paths alone, before anything is loaded."""
+    from minirl.tools.export import check_out
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    out = out if out in ("/", ".", "..") else str(tmp_path / out)
+    with pytest.raises(ConfigError, match="is the current directory, a folder above it, or holds the checkpoint"):
+        check_out(out, str(ckpt), overwrite=True)
