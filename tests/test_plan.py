@@ -2,6 +2,7 @@
 The GPU recipes are planned at their world size on CUDA from the recipe models' config.json files
 (tests/data/models: configs only, no weights)."""
 
+import math
 import os
 import re
 import sys
@@ -148,3 +149,270 @@ def test_a_colocated_plan_counts_the_publish_where_engine_weights_and_trainer_ov
     assert float(terms["publish"]) > max(trainer, float(terms["engine"]))
     peak = float(re.search(r"peak ([\d.]+) of", line).group(1))
     assert peak == pytest.approx(float(terms["publish"]) + plan.BASELINE_GIB, abs=0.06)
+
+
+QWEN2 = dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("shape", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False),
+                                   dict(num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)],
+                         ids=["tied", "untied", "head_dim"])
+def test_the_parameter_count_is_transformers_own_for_the_model(shape):
+    """The plan's count (one block, the root, the total) is what transformers builds for a Qwen2 config:
+    grouped-query or not, tied head or not, a head_dim of its own."""
+    import torch
+    import transformers
+    hf = {**QWEN2, **shape}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**hf))
+    total = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    n = plan.parameter_counts(hf)
+    assert (n["block"], n["total"], n["root"]) == (block, total, total - hf["num_hidden_layers"] * block)
+
+
+def test_the_activation_term_is_what_a_real_block_saves_for_backward():
+    """What one Qwen2 block in bfloat16 (the GPU recipes' dtype) keeps for backward, per token, counted
+    from the tensors autograd saves (parameters and the shared rotary tables left out): the plan's
+    term covers it with at most 10% to spare (it also counts the block's input). A micro-batch keeps
+    that for every block, or under activation checkpointing every block's input and one block's."""
+    import torch
+    import transformers
+    hf, T = {**QWEN2, "tie_word_embeddings": True}, 64
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**hf, attn_implementation="sdpa"),
+                                                          dtype=torch.bfloat16)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = model.model.embed_tokens(torch.randint(0, hf["vocab_size"], (1, T))).detach().requires_grad_(True)
+    pos = torch.arange(T)[None]
+    rotary = model.model.rotary_emb(x, pos)
+    skip |= {t.untyped_storage().data_ptr() for t in rotary}
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model.model.layers[0](x, position_embeddings=rotary, position_ids=pos)
+    measured = sum(saved.values()) / T
+    planned = plan.activation_bytes_per_token(hf, 2)
+    assert measured <= planned <= 1.10 * measured, (measured, planned)
+    L = hf["num_hidden_layers"]
+    assert plan.activation_bytes(hf, 2, T, checkpointing=False) == L * T * planned
+    # with activation checkpointing: every block's input, and one block's tensors while it reruns
+    assert plan.activation_bytes(hf, 2, T, checkpointing=True) == T * (L * 2 * hf["hidden_size"] + planned)
+
+
+def shares(lines):
+    """{rank: {field: value}} from the plan's share column."""
+    return {int(m.group(1)): dict(re.findall(r"(\w+)<?=(\S+)", m.group(7)))
+            for m in (LINE.fullmatch(line) for line in lines if line.startswith("rank "))}
+
+
+def test_each_ranks_share_is_what_the_loop_gives_it(tmp_path):
+    """A rank's prompts, rows and micro-batches in the plan are the ones the loops compute: GRPO's
+    canonical partition and chunk plan over 8 ranks; PPO's prompts i % R on rollout rank i and the batch
+    split over the train ranks, disaggregated, or over every rank, colocated."""
+    from minirl.batch import plan_chunks
+    from minirl.tasks import dp_partition, prompt_id
+    args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_3b.sh"), tmp_path)
+    rl, T = args.rl, args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    P, G = rl.batch_per_replica // rl.group_size, rl.group_size
+    keys = [(prompt_id(0, i), j) for i in range(P) for j in range(G)]
+    for r, got in shares(plan.dry_run(args)).items():
+        rows = dp_partition(keys, r, nproc)
+        chunks = plan_chunks([T] * len(rows), args.n_mini, args.micro_batch // nproc)
+        assert got == {"prompts": str(len({keys[i][0] for i in rows})), "rows": str(len(rows)),
+                       "n_mini": str(len(chunks)), "n_micro": str(len(chunks[0])), "micro_rows": str(len(chunks[0][0])),
+                       "tokens": str(T)}, got
+
+    args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
+    args.ppo.num_generations_per_prompt = 4
+    p, T = args.ppo, args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    for placement, R in (("disaggregated", args.grid.rollout_ranks), ("colocated", 0)):
+        args.grid.gpu_placement = placement
+        if placement == "colocated":  # full batch (colocated PPO does not stream), split over all 8 ranks
+            p.num_prompts_per_step = args.async_rl.min_groups_for_streaming_train = 256
+        got = shares(plan.dry_run(args))
+        for r in range(R):
+            prompts = sum(i % R == r for i in range(p.num_prompts_per_step))
+            assert got[r] == {"prompts": str(prompts), "rows": str(prompts * p.num_generations_per_prompt)}, got[r]
+        dp = nproc - R
+        rows = p.num_prompts_per_step * p.num_generations_per_prompt // dp
+        for r in range(R, nproc):
+            assert got[r] == {"prompts": str(p.num_prompts_per_step // dp), "rows": str(rows), "n_mini": "1",
+                              "n_micro": str(-(-rows // (p.policy_micro_batch_rows or rows))),
+                              "epochs": str(p.ppo_epochs), "critic_rows": str(p.critic_micro_batch_rows or rows),
+                              "tokens": str(T)}, (placement, got[r])
+
+
+def test_inside_a_torchrun_launch_a_node_is_its_local_world(tmp_path, monkeypatch):
+    """`--dry-run` under torchrun plans its own launch: 8 ranks of LOCAL_WORLD_SIZE 4 are 2 nodes, and
+    rank 5 is card 1 of node 1. Planning another world size there, the launch's nodes do not apply."""
+    args = tyro.cli(GRPOArgs, args=["--dry-run", "--dry-run-device", "cuda", "--rl.batch-per-replica", "64"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")  # only rank 0 prints
+    lines = plan.dry_run(args)
+    assert lines[1] == "plan: 2 nodes x 4 ranks; a rank's card is its index on its node", lines
+    assert lines[7].startswith("rank 5: node=1 role=both trainer=cuda:1 engine=cuda:1 "), lines
+    args.dry_run_world_size = 4
+    lines = plan.dry_run(args)
+    assert len(lines) == 5 and lines[4].startswith("rank 3: role=both trainer=cuda:3 "), lines
+
+
+def test_a_model_folder_or_a_cached_hub_name_is_planned_from_its_config_offline(tmp_path, monkeypatch):
+    """A local folder given as a relative `dir/name` path reads that folder's config.json (it is not
+    looked up as a hub name); a hub name already in the Hugging Face cache reads the cached one."""
+    import shutil
+    import huggingface_hub.constants
+    shutil.copytree(os.path.join(MODELS, "Qwen2.5-0.5B-Instruct"), tmp_path / "models" / "local")
+    monkeypatch.chdir(tmp_path)
+    args = tyro.cli(GRPOArgs, args=["--model.path", "models/local"])
+    hf, source = plan.model_config(args.model)
+    assert source == os.path.join("models", "local", "config.json") and hf["hidden_size"] == 896
+    snapshot = tmp_path / "hub" / "models--someorg--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"hidden_size": 7}')
+    (tmp_path / "hub" / "models--someorg--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someorg--cached" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    args.model.path = "someorg/cached"
+    assert plan.model_config(args.model) == ({"hidden_size": 7}, str(snapshot / "config.json"))
+
+
+def test_each_memory_term_is_the_one_the_plan_documents(tmp_path):
+    """The train rank's terms, spelled out for the 0.5B GRPO recipe (one rank, bf16, a KL reference) and the
+    PPO recipe (6 train ranks): float32 masters sharded plus the root and two blocks gathered in bf16 (and
+    the reference's bf16 shard and gather), float32 gradients, AdamW's two float32 moments, one micro-batch's
+    activations, one piece of the chunked head (its bf16 logits and two float32 copies, and the head's summed
+    float32 weight gradient). A PPO save holds both models and both optimizers, the reference's shard and
+    the largest gathered weight."""
+    from minirl import models
+    G = 2**30
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_1gpu.sh"), tmp_path)
+    hf, _ = plan.model_config(args.model)
+    n, c, V, h = plan.parameter_counts(hf), 2, hf["vocab_size"], hf["hidden_size"]
+    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    tokens = args.micro_batch * T
+    gathered = c * (n["root"] + 2 * n["block"])
+    piece = min(tokens, models.LOGITS_CHUNK // V)
+    assert args.rl.kl_coef and args.model.activation_checkpointing
+    assert plan.train_rank_terms(args, 1, hf) == pytest.approx({
+        "params": (4 * n["total"] + gathered + c * n["total"] + gathered) / G, "grads": 4 * n["total"] / G,
+        "optimizer": 8 * n["total"] / G, "activations": plan.activation_bytes(hf, c, tokens, True) / G,
+        "logits": (piece * V * (c + 8) + 4 * V * h) / G}, rel=1e-12)
+
+    args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
+    hf, _ = plan.model_config(args.model)
+    n, V, h, p = plan.parameter_counts(hf), hf["vocab_size"], hf["hidden_size"], args.ppo
+    dp = nproc - args.grid.rollout_ranks
+    rows = p.num_prompts_per_step * p.num_generations_per_prompt // dp
+    tokens = max(p.policy_micro_batch_rows, p.critic_micro_batch_rows) * (args.rollout.max_prompt_tokens
+                                                                          + args.rollout.max_tokens)
+    assert p.policy_micro_batch_rows < rows and p.kl_coef
+    gathered, ref = c * (n["root"] + 2 * n["block"]), c * n["total"] / dp
+    train = {"params": (4 * n["total"] / dp + gathered + ref + gathered) / G, "grads": 4 * n["total"] / dp / G,
+             "optimizer": 8 * n["total"] / dp / G,
+             "activations": plan.activation_bytes(hf, c, tokens, args.model.activation_checkpointing) / G,
+             "logits": (min(tokens, models.LOGITS_CHUNK // V) * V * (c + 8) + 4 * V * h) / G}
+    save = {"params": (2 * 4 * n["total"] / dp + ref + c * V * h) / G, "grads": 0.0,
+            "optimizer": 2 * 8 * n["total"] / dp / G, "activations": 0.0, "logits": 0.0}
+    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(max(train, save, key=lambda t: sum(t.values())),
+                                                                   rel=1e-12)
+    # two train ranks and one row per micro-batch: the save's two models and optimizers are the peak
+    nproc, args.grid.rollout_ranks, args.ppo.policy_micro_batch_rows, args.ppo.critic_micro_batch_rows = 4, 2, 1, 1
+    dp, ref = 2, c * n["total"] / 2
+    save = {"params": (2 * 4 * n["total"] / dp + ref + c * V * h) / G, "grads": 0.0,
+            "optimizer": 2 * 8 * n["total"] / dp / G, "activations": 0.0, "logits": 0.0}
+    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(save, rel=1e-12)
+    disaggregated = plan.train_rank_terms(args, 6, hf)  # 2 rollout ranks, 4 train ranks
+    args.grid.gpu_placement = "colocated"  # every one of 4 ranks trains: the same shares
+    assert plan.train_rank_terms(args, 4, hf) == disaggregated
+
+
+def test_a_grpo_rank_that_does_not_fit_is_told_the_micro_batch_and_checkpointing_that_do(tmp_path):
+    """The 3B GRPO recipe without activation checkpointing on 80 GiB cards: at 4,096-token completions the
+    plan names the largest micro-batch per replica that splits the mini-batch and fits (re-planned, it
+    fits; the next larger split does not); at 16,384 no micro-batch fits without activation
+    checkpointing, and the plan says to turn it on."""
+    import dataclasses
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_3b.sh"), tmp_path)
+    args.model.activation_checkpointing, args.rollout.max_tokens = False, 4096
+
+    def rank0(micro=None, checkpointing=False):
+        tried = dataclasses.replace(args, model=dataclasses.replace(args.model, activation_checkpointing=checkpointing),
+                                    rl=dataclasses.replace(args.rl, micro_batch_per_replica=micro or
+                                                           args.rl.micro_batch_per_replica))
+        return next(x for x in plan.dry_run(tried) if x.startswith("rank 0:"))
+    hint = re.search(r"\(DOES NOT FIT\); fits with --rl.micro-batch-per-replica (\d+) \(peak ([\d.]+)\)$", rank0())
+    assert hint, rank0()
+    micro = int(hint.group(1))
+    assert args.mini_batch % micro == 0 and 2 * micro <= args.rl.micro_batch_per_replica
+    assert rank0(micro).endswith("(fits)") and f"peak {hint.group(2)} of 80" in rank0(micro)
+    assert "DOES NOT FIT" in rank0(2 * micro)
+    args.rollout.max_tokens = 16384
+    hint = re.search(r"fits with --rl.micro-batch-per-replica (\d+) --model.activation-checkpointing \(peak", rank0())
+    assert hint and rank0(int(hint.group(1)), checkpointing=True).endswith("(fits)"), rank0()
+    assert "DOES NOT FIT" in rank0(8)  # one row per rank, without checkpointing
+
+
+def test_the_built_in_model_is_planned_as_it_is_built(tmp_path, monkeypatch):
+    """The plan's config of `--model.path tiny` (never built by a dry run) is the built model's own
+    config.json, and its parameter count the built weights'; a path that is neither a folder nor a hub
+    name is refused, and so is a context longer than the model's positions."""
+    import json
+    from safetensors import safe_open
+    from minirl.config import ConfigError
+    from minirl.tasks import build_tiny
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "cache"))
+    args = tyro.cli(GRPOArgs, args=["--model.tiny.hidden-size", "64", "--model.tiny.intermediate-size", "96",
+                                    "--model.tiny.num-heads", "4", "--model.tiny.num-kv-heads", "2"])
+    args.model.tiny.warm_start_steps = 0  # the shape is what matters; no training
+    planned, source = plan.model_config(args.model)
+    built = build_tiny(args.model.tiny)
+    with open(os.path.join(built, "config.json")) as f:
+        config = json.load(f)
+    assert source == "the built-in tiny model" and planned == {k: config[k] for k in planned}
+    with safe_open(os.path.join(built, "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert plan.parameter_counts(planned)["total"] == weights
+    args.model.path = str(tmp_path / "no" / "such" / "folder")
+    with pytest.raises(ConfigError, match="does not exist"):
+        plan.dry_run(args)
+    args.model.path, args.rollout.max_prompt_tokens, args.rollout.max_tokens = "tiny", 200, 100
+    with pytest.raises(ConfigError, match=r"--rollout.max-prompt-tokens \+ --rollout.max-tokens = 300 tokens is over"):
+        plan.dry_run(args)
+
+
+
+def test_the_plan_says_the_model_size_the_token_budget_and_the_host_memory(tmp_path, monkeypatch):
+    """The header gives the model's parameters in billions; a token budget per micro-batch shows as
+    `n_micro=budget` with its tokens as the activations' micro-batch; a train rank of disaggregated PPO has
+    no engine and no publish term; on a CPU every rank's engine term is its KV cache in host memory; and
+    a dry run outside torchrun plans one rank."""
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_1gpu.sh"), tmp_path)
+    hf, source = plan.model_config(args.model)
+    lines = plan.dry_run(args)
+    assert lines[0] == (f"plan: minirl.grpo, 1 rank(s) on cuda, colocated; model {source} "
+                        f"({plan.parameter_counts(hf)['total'] / 1e9:.2f}B parameters)")
+    args.rl.micro_batch_per_replica, args.rl.max_tokens_per_micro_batch = 0, 4096
+    line = plan.dry_run(args)[1]
+    assert shares([line])[0]["n_micro"] == "budget" and shares([line])[0]["micro_rows"] == "-", line
+    activations = plan.activation_bytes(hf, 2, 4096, args.model.activation_checkpointing) / 2**30
+    assert f"activations {activations:.2f} " in line
+
+    args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
+    train = next(x for x in plan.dry_run(args) if x.startswith("rank 2:"))
+    assert " engine 0.00 |" in train and "publish" not in train, train
+    args.dry_run_device, args.rollout.kv_cache_gib = "cpu", 3.0
+    for line in plan.dry_run(args)[1:]:
+        engine = 3.0 if LINE.fullmatch(line).group(2) == "rollout" else 0.0
+        assert f" engine {engine:.2f} | peak " in line and line.endswith("(host memory)"), line
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args.dry_run_world_size, args.grid.gpu_placement = 0, "colocated"
+    args.ppo.num_prompts_per_step = args.async_rl.min_groups_for_streaming_train = 8
+    assert [x.split(":")[0] for x in plan.dry_run(args)[1:]] == ["rank 0"]

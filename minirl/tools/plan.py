@@ -172,22 +172,19 @@ def activation_bytes(hf: dict, c: int, tokens: int, checkpointing: bool) -> floa
     return tokens * (L * c * hf["hidden_size"] + per_block if checkpointing else L * per_block)
 
 
-def _trainer_terms(hf: dict, dp: int, c: int, models_trained: int, micro_tokens: int, logits: bool,
-                   ref: bool = False, checkpointing: bool = False) -> dict[str, float]:
-    n = parameter_counts(hf)
+def _trainer_terms(hf: dict, dp: int, c: int, micro_tokens: int, ref: bool, checkpointing: bool) -> dict[str, float]:
+    """One trained model's terms (GiB): its float32 master shard with the root and two blocks gathered in
+    the compute dtype (and the reference's shard and gather), float32 gradients, AdamW's two moments, one
+    micro-batch's activations, one piece of the chunked head."""
+    n, V = parameter_counts(hf), hf["vocab_size"]
     gathered = c * (n["root"] + 2 * n["block"])
-    out = {"params": (models_trained * 4 * n["total"] / dp + models_trained * gathered
-                      + (c * n["total"] / dp + gathered if ref else 0)) / GIB,
-           "grads": models_trained * 4 * n["total"] / dp / GIB,
-           "optimizer": models_trained * 8 * n["total"] / dp / GIB,
-           "activations": activation_bytes(hf, c, micro_tokens, checkpointing) / GIB,
-           "logits": 0.0}
-    if logits:
-        V = hf["vocab_size"]
-        piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
-        summed = 4 * V * hf["hidden_size"] if c < 4 else 0  # the head's weight gradient, summed in float32
-        out["logits"] = (piece * V * (c + 4 + 4) + summed) / GIB
-    return out
+    piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
+    summed = 4 * V * hf["hidden_size"] if c < 4 else 0  # the head's weight gradient, summed in float32
+    return {"params": (4 * n["total"] / dp + gathered + (c * n["total"] / dp + gathered if ref else 0)) / GIB,
+            "grads": 4 * n["total"] / dp / GIB,
+            "optimizer": 8 * n["total"] / dp / GIB,
+            "activations": activation_bytes(hf, c, micro_tokens, checkpointing) / GIB,
+            "logits": (piece * V * (c + 4 + 4) + summed) / GIB}
 
 
 def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
@@ -198,7 +195,7 @@ def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
     micro_tokens = rl.max_tokens_per_micro_batch or micro_rows * T
     share = (f"prompts={rows // rl.group_size} rows={rows} n_mini={args.n_mini} n_micro={n_micro} "
              f"micro_rows={micro_rows if not rl.max_tokens_per_micro_batch else '-'} tokens<={T}")
-    terms = _trainer_terms(hf, dp, c, 1, micro_tokens, True, ref=bool(rl.kl_coef),
+    terms = _trainer_terms(hf, dp, c, micro_tokens, ref=bool(rl.kl_coef),
                            checkpointing=args.model.activation_checkpointing) if hf else None
     return share, terms
 
@@ -220,7 +217,7 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
     # training: one model resident at a time, the pump offloads the idle one with its optimizer (S7),
     # and the policy's kept gradients are freed by its step before the critic trains; a checkpoint or
     # the export: both models and both optimizers resident, no gradients, no activations
-    train = _trainer_terms(hf, dp, c, 1, max(micro, critic) * T, True, ref=bool(p.kl_coef),
+    train = _trainer_terms(hf, dp, c, max(micro, critic) * T, ref=bool(p.kl_coef),
                            checkpointing=args.model.activation_checkpointing)
     n = parameter_counts(hf)
     save = {"params": (2 * 4 * n["total"] / dp + (c * n["total"] / dp if p.kl_coef else 0)
@@ -257,7 +254,7 @@ def publish_gib(args, hf: dict | None, terms: dict | None) -> float:
     return weights + terms["params"] + terms["optimizer"]
 
 
-def card_peak(args, role: str, trainer: float, device_type: str = "cuda", publish: float = 0.0) -> float:
+def card_peak(args, role: str, trainer: float, publish: float, device_type: str = "cuda") -> float:
     """A rank's peak (GiB): a colocated card's engine and trainer take turns but for the publish; else they
     add up; plus the CUDA context."""
     engine = engine_gib(args, role, device_type)
@@ -273,7 +270,7 @@ def _memory(args, role: str, terms: dict | None, device_type: str, hf: dict | No
     publish = publish_gib(args, hf, terms) if role == "both" else 0.0
     if publish:
         shown += f" publish {publish:.2f}"
-    peak = card_peak(args, role, sum(terms.values()), device_type, publish)
+    peak = card_peak(args, role, sum(terms.values()), publish, device_type)
     if device_type != "cuda":
         return f"memory GiB: {shown} | peak {peak:.1f} (host memory)"
     verdict = "fits" if peak <= card else "DOES NOT FIT"
