@@ -578,3 +578,25 @@ def test_export_never_writes_over_the_root_the_working_directory_or_the_run(tmp_
     out = out if out in ("/", ".", "..") else str(tmp_path / out)
     with pytest.raises(ConfigError, match="is the current directory, a folder above it, or holds the checkpoint"):
         check_out(out, str(ckpt), overwrite=True)
+
+
+def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path):
+    """`minirl-eval --checkpoint <run>/checkpoints/step_N` (or `--checkpoint=`) takes the run's config.json
+    as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
+    explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more."""
+    from minirl.tools.eval import EvalArgs, _with_run_config
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    config = GRPOArgs(seed=7).to_dict()
+    config["rollout"]["max_tokens"], config["model"]["path"] = 12, str(tmp_path / "model")
+    (run_dir / "config.json").write_text(json.dumps(config))
+    for argv in (["--checkpoint", str(ckpt)], [f"--checkpoint={ckpt}"]):
+        assert _with_run_config(argv) == ["--config", str(run_dir / "config.json"), *argv]
+        args = launch.parse(EvalArgs, _with_run_config([*argv, "--seed", "3"]), "", lenient=True)
+        assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint) == (
+            3, 12, str(tmp_path / "model"), str(ckpt))
+    for argv in (["--checkpoint", str(ckpt), "--config", "other.yaml"], [f"--config={tmp_path}/x.json",
+                 "--checkpoint", str(ckpt)], ["--checkpoint", str(tmp_path / "elsewhere" / "step_1")],
+                 ["--samples", "2", "--checkpoint"]):
+        assert _with_run_config(argv) == argv

@@ -114,7 +114,8 @@ def test_dry_run_exits_0_without_loading_or_building(tmp_path):
 def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_does(tmp_path):
     """The PPO recipe without activation checkpointing on 10 GiB cards: its train ranks do not fit at 8
     rows per micro-batch; the plan
-    names the largest count that fits, which does (re-planned), and one more row does not."""
+    names the largest count that fits, which does (re-planned), and one more row does not; on a card where
+    only one row fits, it names one."""
     import dataclasses
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
     args.dry_run_card_gib, args.model.activation_checkpointing = 10.0, False
@@ -131,6 +132,9 @@ def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_doe
         return float(re.search(r"peak ([\d.]+) of", next(x for x in plan.dry_run(tried) if x.startswith("rank 2:")))
                      .group(1))
     assert peak(m) <= 10.0 < peak(m + 1) and abs(peak(m) - float(hint.group(3))) < 0.05
+    args.dry_run_card_gib = (peak(1) + peak(2)) / 2  # only one row per micro-batch fits
+    line = next(x for x in plan.dry_run(args) if x.startswith("rank 2:"))
+    assert line.endswith(f"--ppo.policy-micro-batch-rows 1 --ppo.critic-micro-batch-rows 1 (peak {peak(1):.1f})")
 
 
 def test_a_colocated_plan_counts_the_publish_where_engine_weights_and_trainer_overlap(tmp_path):
@@ -155,12 +159,12 @@ QWEN2 = dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_hidden_
              num_key_value_heads=2, max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("shape", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False),
+@pytest.mark.parametrize("shape", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False), dict(),
                                    dict(num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)],
-                         ids=["tied", "untied", "head_dim"])
+                         ids=["tied", "untied", "untied_by_default", "head_dim"])
 def test_the_parameter_count_is_transformers_own_for_the_model(shape):
     """The plan's count (one block, the root, the total) is what transformers builds for a Qwen2 config:
-    grouped-query or not, tied head or not, a head_dim of its own."""
+    grouped-query or not, tied head or not (untied where config.json does not say), a head_dim of its own."""
     import torch
     import transformers
     hf = {**QWEN2, **shape}
@@ -172,14 +176,11 @@ def test_the_parameter_count_is_transformers_own_for_the_model(shape):
     assert (n["block"], n["total"], n["root"]) == (block, total, total - hf["num_hidden_layers"] * block)
 
 
-def test_the_activation_term_is_what_a_real_block_saves_for_backward():
-    """What one Qwen2 block in bfloat16 (the GPU recipes' dtype) keeps for backward, per token, counted
-    from the tensors autograd saves (parameters and the shared rotary tables left out): the plan's
-    term covers it with at most 10% to spare (it also counts the block's input). A micro-batch keeps
-    that for every block, or under activation checkpointing every block's input and one block's."""
+def saved_per_token(hf: dict, T: int = 64) -> float:
+    """Bytes one Qwen2 block in bfloat16 keeps for backward per token, counted from the tensors autograd
+    saves (each storage once; the parameters and the rotary tables every block shares left out)."""
     import torch
     import transformers
-    hf, T = {**QWEN2, "tie_word_embeddings": True}, 64
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**hf, attn_implementation="sdpa"),
                                                           dtype=torch.bfloat16)
@@ -196,10 +197,21 @@ def test_the_activation_term_is_what_a_real_block_saves_for_backward():
     skip |= {t.untyped_storage().data_ptr() for t in rotary}
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         model.model.layers[0](x, position_embeddings=rotary, position_ids=pos)
-    measured = sum(saved.values()) / T
-    planned = plan.activation_bytes_per_token(hf, 2)
+    return sum(saved.values()) / T
+
+
+def test_the_activation_term_is_what_a_real_block_saves_for_backward():
+    """What one Qwen2 block in bfloat16 (the GPU recipes' dtype) keeps for backward per token: the plan's
+    term covers it with at most 10% to spare (it also counts the block's input), and grows as it does
+    with the key/value width and the MLP's width. A micro-batch keeps that for every block, or under
+    activation checkpointing every block's input and one block's."""
+    hf = {**QWEN2, "tie_word_embeddings": True}
+    measured, planned = saved_per_token(hf), plan.activation_bytes_per_token(hf, 2)
     assert measured <= planned <= 1.10 * measured, (measured, planned)
-    L = hf["num_hidden_layers"]
+    for wider in (dict(num_key_value_heads=4), dict(intermediate_size=2 * hf["intermediate_size"])):
+        grown = {**hf, **wider}
+        assert plan.activation_bytes_per_token(grown, 2) - planned == saved_per_token(grown) - measured, wider
+    L, T = hf["num_hidden_layers"], 64
     assert plan.activation_bytes(hf, 2, T, checkpointing=False) == L * T * planned
     # with activation checkpointing: every block's input, and one block's tensors while it reruns
     assert plan.activation_bytes(hf, 2, T, checkpointing=True) == T * (L * 2 * hf["hidden_size"] + planned)
@@ -250,7 +262,7 @@ def test_each_ranks_share_is_what_the_loop_gives_it(tmp_path):
 
 def test_inside_a_torchrun_launch_a_node_is_its_local_world(tmp_path, monkeypatch):
     """`--dry-run` under torchrun plans its own launch: 8 ranks of LOCAL_WORLD_SIZE 4 are 2 nodes, and
-    rank 5 is card 1 of node 1. Planning another world size there, the launch's nodes do not apply."""
+    rank 5 is card 1 of node 1. Planning a launch of another size there, its nodes do not apply."""
     args = tyro.cli(GRPOArgs, args=["--dry-run", "--dry-run-device", "cuda", "--rl.batch-per-replica", "64"])
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -258,9 +270,10 @@ def test_inside_a_torchrun_launch_a_node_is_its_local_world(tmp_path, monkeypatc
     lines = plan.dry_run(args)
     assert lines[1] == "plan: 2 nodes x 4 ranks; a rank's card is its index on its node", lines
     assert lines[7].startswith("rank 5: node=1 role=both trainer=cuda:1 engine=cuda:1 "), lines
-    args.dry_run_world_size = 4
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    args.dry_run_world_size = 8  # another launch than this one: one node of 8
     lines = plan.dry_run(args)
-    assert len(lines) == 5 and lines[4].startswith("rank 3: role=both trainer=cuda:3 "), lines
+    assert len(lines) == 9 and lines[8].startswith("rank 7: role=both trainer=cuda:7 "), lines
 
 
 def test_a_model_folder_or_a_cached_hub_name_is_planned_from_its_config_offline(tmp_path, monkeypatch):
@@ -304,6 +317,10 @@ def test_each_memory_term_is_the_one_the_plan_documents(tmp_path):
         "params": (4 * n["total"] + gathered + c * n["total"] + gathered) / G, "grads": 4 * n["total"] / G,
         "optimizer": 8 * n["total"] / G, "activations": plan.activation_bytes(hf, c, tokens, True) / G,
         "logits": (piece * V * (c + 8) + 4 * V * h) / G}, rel=1e-12)
+
+    args.model.dtype = "float32"  # the head's gradient is float32 already: no summed copy
+    assert plan.train_rank_terms(args, 1, hf)["logits"] == pytest.approx(
+        min(tokens, models.LOGITS_CHUNK // V) * V * (4 + 8) / G, rel=1e-12)
 
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
     hf, _ = plan.model_config(args.model)
