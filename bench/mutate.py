@@ -57,7 +57,9 @@ TESTS = {  # module -> the unit tests that guard it
     "tools/plan": ["tests/test_plan.py", "tests/test_recipes.py::test_every_documented_launch_plans_at_its_world_size"],
     "tools/eval": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest score with an engine)
         "eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win",
-        "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")],
+        "eval_without_held_out_prompts_is_refused_before_the_engine",
+        "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")]
+    + ["tests/test_config.py::test_every_default_is_the_recorded_one"],
 }
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,

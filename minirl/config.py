@@ -84,6 +84,11 @@ class RolloutConfig:
     sleep_level: Literal[1, 2] = 1
     """1: engine weights are backed up to host while the trainer runs; 2: discarded and rewritten by weight sync."""
 
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context: the prompt budget plus the completion cap."""
+        return self.max_prompt_tokens + self.max_tokens
+
 
 @dataclass
 class TaskConfig:

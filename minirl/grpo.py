@@ -64,8 +64,8 @@ def train(ready: launch.Ready) -> dict:
                       schedule=lr_schedule(rl.lr, rl.lr_warmup_steps, total, rl.lr_schedule, rl.min_lr_ratio))
     probe = Probe(policy)
     with run.phase("build_engine", announce="building the vLLM engine"):
-        engine = Engine(ready.path, args.rollout, ready.max_model_len, world.engine_device, dtype=args.model.dtype,
-                        seed=args.seed, sleep_mode=rl.colocated_offload,
+        engine = Engine(ready.path, args.rollout, args.rollout.max_model_len, world.engine_device,
+                        dtype=args.model.dtype, seed=args.seed, sleep_mode=rl.colocated_offload,
                         log_file=engine_log(args.log, world.rank, dp > 1))
     handoff = hand_off(engine, policy, optimizer, ref, args, run.mark)
     run.checkpoints({"policy": (policy, optimizer)},

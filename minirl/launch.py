@@ -45,10 +45,6 @@ class Ready:
     owner: dict = dataclasses.field(default_factory=dict)  # the run's identity (global rank 0; `claim`)
 
     @property
-    def max_model_len(self) -> int:
-        return self.args.rollout.max_prompt_tokens + self.args.rollout.max_tokens
-
-    @property
     def pad_id(self) -> int:
         return self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
 
@@ -71,7 +67,7 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     args.validate(world_size)
     path = models.resolve_path(args.model)
     ready = Ready(args, path, None, None, None)
-    check_model(path, args.rollout, ready.max_model_len, head_dim_flag="--model.tiny.num-heads")
+    check_model(path, args.rollout, args.rollout.max_model_len, head_dim_flag="--model.tiny.num-heads")
     ready.tok = models.load_tokenizer(path)
     ready.task = tasks.make_task(args.task, args.seed, ready.tok, args.rollout.max_prompt_tokens,
                                  evaluates=bool(args.log.eval_every))  # every prompt and reward function

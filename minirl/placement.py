@@ -171,8 +171,9 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
     args, task, tok = ready.args, ready.task, ready.tok
     P, R = args.ppo.num_prompts_per_step, args.grid.rollout_ranks
     term = _Term(store, roles.global_rank)
-    engine = Engine(ready.path, args.rollout, ready.max_model_len, roles.devices.engine, dtype=args.model.dtype,
-                    seed=args.seed, private=True, log_file=engine_log(args.log, roles.global_rank, R > 1))
+    engine = Engine(ready.path, args.rollout, args.rollout.max_model_len, roles.devices.engine,
+                    dtype=args.model.dtype, seed=args.seed, private=True,
+                    log_file=engine_log(args.log, roles.global_rank, R > 1))
     try:
         group = refit.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.grid.gpu_placement == "colocated":
         world = dist.init()
         dist.seed_everything(args.seed)
-        engine = Engine(ready.path, args.rollout, ready.max_model_len, world.engine_device, dtype=args.model.dtype,
-                        seed=args.seed, sleep_mode=args.ppo.colocated_offload,
+        engine = Engine(ready.path, args.rollout, args.rollout.max_model_len, world.engine_device,
+                        dtype=args.model.dtype, seed=args.seed, sleep_mode=args.ppo.colocated_offload,
                         log_file=engine_log(args.log, world.rank, world.world_size > 1))
         train(ready, world, EngineGroups(args, world, engine, ready.task, ready.tok))
         return

@@ -284,8 +284,8 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
-        raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path, raise --task.eval-prompts, "
-                          "or turn evaluation off with --log.eval-every 0")
+        raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path or raise --task.eval-prompts "
+                          "(a training run can also turn evaluation off: --log.eval-every 0)")
     task.scorer = rewards.scorer(cfg)
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     return task

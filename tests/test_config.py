@@ -1,6 +1,7 @@
 """config.py: derived counts and every validation error names its flag (B1, B2, B11); PPO's
 streaming support limits (S1, S20)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -326,7 +327,8 @@ DEFAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "def
 
 
 def defaults() -> dict:
-    return {"grpo": GRPOArgs().to_dict(), "ppo": PPOArgs().to_dict()}
+    from minirl.tools.eval import EvalArgs
+    return {"grpo": GRPOArgs().to_dict(), "ppo": PPOArgs().to_dict(), "eval": dataclasses.asdict(EvalArgs())}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -352,6 +354,12 @@ def test_every_default_is_the_recorded_one():
         changed = {k: pair for k, pair in pairs.items() if pair[0] != pair[1]}
         assert not changed, f"minirl.{loop} defaults changed (recorded, now): {changed}"
 
+
+
+def test_the_engines_context_adds_the_prompt_budget_and_the_completion_cap():
+    """`RolloutConfig.max_model_len`, the one place every engine, the preflight and the plan take it from."""
+    from minirl.config import RolloutConfig
+    assert RolloutConfig(max_prompt_tokens=200, max_tokens=100).max_model_len == 300
 
 if __name__ == "__main__":  # record the defaults as they are now
     with open(DEFAULTS, "w") as f:

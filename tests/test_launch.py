@@ -585,7 +585,7 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
     as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
     explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more."""
     from minirl.tools.eval import EvalArgs, _with_run_config
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "lr=1e-6"  # an `=` in the path, after --checkpoint= too
     ckpt = run_dir / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
     config = GRPOArgs(seed=7).to_dict()
@@ -600,3 +600,13 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
                  "--checkpoint", str(ckpt)], ["--checkpoint", str(tmp_path / "elsewhere" / "step_1")],
                  ["--samples", "2", "--checkpoint"]):
         assert _with_run_config(argv) == argv
+
+
+def test_eval_without_held_out_prompts_is_refused_before_the_engine(world, tiny_path, monkeypatch):
+    """`minirl-eval` always scores: a task with no held-out prompts is refused naming the flags, before
+    an engine is built (not `eval_accuracy 0.0000 on 0 prompts`)."""
+    from minirl.tools import eval as evaluate
+    monkeypatch.setattr("minirl.rollout.Engine", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(ConfigError, match=r"no held-out prompts to score \(--task.eval-prompts is 0\): give "
+                                          r"--task.eval-path or raise --task.eval-prompts"):
+        evaluate.main(["--task.eval-prompts", "0"])

@@ -62,12 +62,11 @@ def main(argv: list[str] | None = None) -> float:
             path = export(args.checkpoint, os.path.join(tmp, "policy"), models.resolve_path(args.model))
         else:
             path = models.resolve_path(args.model)
-        max_model_len = args.rollout.max_prompt_tokens + args.rollout.max_tokens
-        check_model(path, args.rollout, max_model_len)
+        check_model(path, args.rollout, args.rollout.max_model_len)
         tok = models.load_tokenizer(path)
         task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=True)
-        engine = Engine(path, args.rollout, max_model_len, world.engine_device, dtype=args.model.dtype, seed=args.seed,
-                        log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
+        engine = Engine(path, args.rollout, args.rollout.max_model_len, world.engine_device, dtype=args.model.dtype,
+                        seed=args.seed, log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
         try:
             scored = held_out(engine, task, tok, args.rollout.max_prompt_tokens)
         finally:

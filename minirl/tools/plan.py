@@ -39,8 +39,7 @@ def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
     hf, source = model_config(args.model)
     if hf is not None:
         from minirl.rollout import check_model
-        check_model(source, args.rollout, args.rollout.max_prompt_tokens + args.rollout.max_tokens,
-                    device_type=device_type, hf=hf)
+        check_model(source, args.rollout, args.rollout.max_model_len, device_type=device_type, hf=hf)
     lines = plan(args, world, device_type, hf, source)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(lines), flush=True)
@@ -100,7 +99,7 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
     R = 0 if placement == "colocated" else args.grid.rollout_ranks
     compute = args.model.dtype
     c = models.DTYPES[compute].itemsize
-    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    T = args.rollout.max_model_len
     head = [f"plan: {'minirl.grpo' if grpo else 'minirl.ppo'}, {world} rank(s) on {device_type}, {placement}; "
             f"model {source}" + (f" ({parameter_counts(hf)['total'] / 1e9:.2f}B parameters)" if hf else "")]
     lines = []
@@ -230,7 +229,7 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
 def train_rank_terms(args: GRPOArgs | PPOArgs, world: int, hf: dict) -> dict[str, float]:
     """The memory terms (GiB) of one train rank of a launch of `world` ranks (what --rehearse measures)."""
     c = models.DTYPES[args.model.dtype].itemsize
-    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    T = args.rollout.max_model_len
     if isinstance(args, GRPOArgs):
         return _grpo_share(args, world, hf, c, T)[1]
     R = args.grid.rollout_ranks if args.grid.gpu_placement == "disaggregated" else 0
