@@ -202,7 +202,8 @@ def saved_per_token(hf: dict, T: int = 64) -> float:
 
 def test_the_activation_term_is_what_a_real_block_saves_for_backward():
     """What one Qwen2 block in bfloat16 (the GPU recipes' dtype) keeps for backward per token: the plan's
-    term covers it with at most 10% to spare (it also counts the block's input), and grows as it does
+    term covers it with at most 10% to spare (it counts two hidden-size vectors more: the block's input, and
+    o_proj's input, which this CPU kernel leaves a view of the attention's output), and grows as it does
     with the key/value width and the MLP's width. A micro-batch keeps that for every block, or under
     activation checkpointing every block's input and one block's."""
     hf = {**QWEN2, "tie_word_embeddings": True}
