@@ -355,11 +355,11 @@ def test_every_default_is_the_recorded_one():
         assert not changed, f"minirl.{loop} defaults changed (recorded, now): {changed}"
 
 
-
 def test_the_engines_context_adds_the_prompt_budget_and_the_completion_cap():
     """`RolloutConfig.max_model_len`, the one place every engine, the preflight and the plan take it from."""
     from minirl.config import RolloutConfig
     assert RolloutConfig(max_prompt_tokens=200, max_tokens=100).max_model_len == 300
+
 
 if __name__ == "__main__":  # record the defaults as they are now
     with open(DEFAULTS, "w") as f:

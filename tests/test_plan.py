@@ -231,7 +231,7 @@ def test_each_ranks_share_is_what_the_loop_gives_it(tmp_path):
     from minirl.batch import plan_chunks
     from minirl.tasks import dp_partition, prompt_id
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_3b.sh"), tmp_path)
-    rl, T = args.rl, args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    rl, T = args.rl, args.rollout.max_model_len
     P, G = rl.batch_per_replica // rl.group_size, rl.group_size
     keys = [(prompt_id(0, i), j) for i in range(P) for j in range(G)]
     for r, got in shares(plan.dry_run(args)).items():
@@ -243,7 +243,7 @@ def test_each_ranks_share_is_what_the_loop_gives_it(tmp_path):
 
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
     args.ppo.num_generations_per_prompt = 4
-    p, T = args.ppo, args.rollout.max_prompt_tokens + args.rollout.max_tokens
+    p, T = args.ppo, args.rollout.max_model_len
     for placement, R in (("disaggregated", args.grid.rollout_ranks), ("colocated", 0)):
         args.grid.gpu_placement = placement
         if placement == "colocated":  # full batch (colocated PPO does not stream), split over all 8 ranks
@@ -309,8 +309,7 @@ def test_each_memory_term_is_the_one_the_plan_documents(tmp_path):
     args, _ = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_grpo_1gpu.sh"), tmp_path)
     hf, _ = plan.model_config(args.model)
     n, c, V, h = plan.parameter_counts(hf), 2, hf["vocab_size"], hf["hidden_size"]
-    T = args.rollout.max_prompt_tokens + args.rollout.max_tokens
-    tokens = args.micro_batch * T
+    tokens = args.micro_batch * args.rollout.max_model_len
     gathered = c * (n["root"] + 2 * n["block"])
     piece = min(tokens, models.LOGITS_CHUNK // V)
     assert args.rl.kl_coef and args.model.activation_checkpointing
@@ -320,32 +319,29 @@ def test_each_memory_term_is_the_one_the_plan_documents(tmp_path):
         "logits": (piece * V * (c + 8) + 4 * V * h) / G}, rel=1e-12)
 
     args.model.dtype = "float32"  # the head's gradient is float32 already: no summed copy
-    assert plan.train_rank_terms(args, 1, hf)["logits"] == pytest.approx(
-        min(tokens, models.LOGITS_CHUNK // V) * V * (4 + 8) / G, rel=1e-12)
+    assert plan.train_rank_terms(args, 1, hf)["logits"] == pytest.approx(piece * V * (4 + 8) / G, rel=1e-12)
 
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
     hf, _ = plan.model_config(args.model)
     n, V, h, p = plan.parameter_counts(hf), hf["vocab_size"], hf["hidden_size"], args.ppo
     dp = nproc - args.grid.rollout_ranks
     rows = p.num_prompts_per_step * p.num_generations_per_prompt // dp
-    tokens = max(p.policy_micro_batch_rows, p.critic_micro_batch_rows) * (args.rollout.max_prompt_tokens
-                                                                          + args.rollout.max_tokens)
+    tokens = max(p.policy_micro_batch_rows, p.critic_micro_batch_rows) * args.rollout.max_model_len
     assert p.policy_micro_batch_rows < rows and p.kl_coef
     gathered, ref = c * (n["root"] + 2 * n["block"]), c * n["total"] / dp
+
+    def save(dp):  # both models and both optimizers, the reference's shard, the largest gathered weight
+        return {"params": (2 * 4 * n["total"] / dp + c * n["total"] / dp + c * V * h) / G, "grads": 0.0,
+                "optimizer": 2 * 8 * n["total"] / dp / G, "activations": 0.0, "logits": 0.0}
     train = {"params": (4 * n["total"] / dp + gathered + ref + gathered) / G, "grads": 4 * n["total"] / dp / G,
              "optimizer": 8 * n["total"] / dp / G,
              "activations": plan.activation_bytes(hf, c, tokens, args.model.activation_checkpointing) / G,
              "logits": (min(tokens, models.LOGITS_CHUNK // V) * V * (c + 8) + 4 * V * h) / G}
-    save = {"params": (2 * 4 * n["total"] / dp + ref + c * V * h) / G, "grads": 0.0,
-            "optimizer": 2 * 8 * n["total"] / dp / G, "activations": 0.0, "logits": 0.0}
-    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(max(train, save, key=lambda t: sum(t.values())),
+    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(max(train, save(dp), key=lambda t: sum(t.values())),
                                                                    rel=1e-12)
     # two train ranks and one row per micro-batch: the save's two models and optimizers are the peak
     nproc, args.grid.rollout_ranks, args.ppo.policy_micro_batch_rows, args.ppo.critic_micro_batch_rows = 4, 2, 1, 1
-    dp, ref = 2, c * n["total"] / 2
-    save = {"params": (2 * 4 * n["total"] / dp + ref + c * V * h) / G, "grads": 0.0,
-            "optimizer": 2 * 8 * n["total"] / dp / G, "activations": 0.0, "logits": 0.0}
-    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(save, rel=1e-12)
+    assert plan.train_rank_terms(args, nproc, hf) == pytest.approx(save(2), rel=1e-12)
     disaggregated = plan.train_rank_terms(args, 6, hf)  # 2 rollout ranks, 4 train ranks
     args.grid.gpu_placement = "colocated"  # every one of 4 ranks trains: the same shares
     assert plan.train_rank_terms(args, 4, hf) == disaggregated
@@ -405,7 +401,6 @@ def test_the_built_in_model_is_planned_as_it_is_built(tmp_path, monkeypatch):
         plan.dry_run(args)
 
 
-
 def test_the_plan_says_the_model_size_the_token_budget_and_the_host_memory(tmp_path, monkeypatch):
     """The header gives the model's parameters in billions; a token budget per micro-batch shows as
     `n_micro=budget` with its tokens as the activations' micro-batch; a train rank of disaggregated PPO has
@@ -418,7 +413,8 @@ def test_the_plan_says_the_model_size_the_token_budget_and_the_host_memory(tmp_p
                         f"({plan.parameter_counts(hf)['total'] / 1e9:.2f}B parameters)")
     args.rl.micro_batch_per_replica, args.rl.max_tokens_per_micro_batch = 0, 4096
     line = plan.dry_run(args)[1]
-    assert shares([line])[0]["n_micro"] == "budget" and shares([line])[0]["micro_rows"] == "-", line
+    share = shares([line])[0]
+    assert share["n_micro"] == "budget" and share["micro_rows"] == "-", line
     activations = plan.activation_bytes(hf, 2, 4096, args.model.activation_checkpointing) / 2**30
     assert f"activations {activations:.2f} " in line
 
