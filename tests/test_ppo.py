@@ -266,9 +266,15 @@ def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_c
     """The world users launch: torchrun --nproc-per-node 8 with 2 rollout ranks and 6 train ranks
     (one thread each). Chunks are whole multiples of the 6 train ranks, each step consumes its 12
     groups exactly once, some step streams in more than one chunk, and both rollout ranks take
-    every policy version over the refit group."""
+    every policy version over the refit group. The reward is slow (as a judge or a sandbox is), so
+    a step's groups arrive over seconds whatever the machine's load: the trainer, polling every few
+    milliseconds, meets the first 6 before the last."""
     P, G, dp = 12, 2, 6
+    (tmp_path / "slow.py").write_text("import time\nfrom minirl.rewards import count\n\n"
+                                      "def slow_count(completion, answer):\n"
+                                      "    time.sleep(0.25)\n    return count(completion, answer)\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8", "-m", "minirl.ppo",
+             "--task.reward", f"{tmp_path}/slow.py:slow_count",
              "--grid.rollout-ranks", "2", "--steps", "3", "--ppo.num-prompts-per-step", str(P),
              "--ppo.num-generations-per-prompt", str(G), "--async-rl.min-groups-for-streaming-train", "6",
              "--async-rl.rollout-groups-per-call", "1", "--async-rl.sampler.max-lookahead-versions", "0",
