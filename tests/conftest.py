@@ -92,13 +92,36 @@ def checkpoint_names(folder) -> list[str]:
 
 def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repo root; on failure show its output."""
+    return start(cmd, timeout, env)()
+
+
+def start(cmd: list[str], timeout: int = 600, env: dict | None = None):
+    """Start a command from the repo root now and return a call that waits for it and returns what `run`
+    does. Independent commands that each keep one core busy, started together, share the machine's cores
+    instead of queueing for them. Their output goes to files, so none waits on a full pipe."""
+    import tempfile
+    import time
     # The `world` fixture makes this process a torchrun world of one; a child must not inherit it.
     base = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**base, "PYTHONUNBUFFERED": "1", **(env or {})})
-    if p.returncode != 0:
-        print(p.stdout[-6000:], p.stderr[-6000:], sep="\n----- stderr -----\n")
-    return p
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
+                            env={**base, "PYTHONUNBUFFERED": "1", **(env or {})})
+    deadline = time.monotonic() + timeout
+
+    def finish() -> subprocess.CompletedProcess:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        with out, err:
+            out.seek(0), err.seek(0)
+            p = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+        if p.returncode != 0:
+            print(p.stdout[-6000:], p.stderr[-6000:], sep="\n----- stderr -----\n")
+        return p
+    return finish
 
 
 def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:

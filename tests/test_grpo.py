@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import GRPO_SMALL as STEPS
-from conftest import run
+from conftest import run, start
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -111,17 +111,20 @@ def test_bad_flags_fail_fast_naming_the_flag(tmp_path, tiny_path):
     used = tmp_path / "used"
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"step": 0}\n')
-    for flags, flag in [(["--model.path", str(tmp_path / "nope")], "--model.path"),
-                        (["--model.tiny.num-heads", "8"], "--model.tiny.num-heads"),
-                        (["--rollout.kv-cache-gib", "500"], "--rollout.kv-cache-gib"),
-                        (["--rl.batch-per-replica", "12"], "--rl.batch-per-replica"),
-                        (["--model.path", str(garbage)], "config.json is not valid JSON"),
-                        (["--task.name", "jsonl", "--task.path", str(bad_jsonl)], f"{bad_jsonl}:2"),
-                        (["--rl.clip-eps", "-0.2"], "--rl.clip-eps"),
-                        (["--task.reward", "no_such_module_xyz:f"], "--task.reward"),
-                        (["--log.run-dir", str(used)], "already holds a run")]:
-        run_dir = [] if "--log.run-dir" in flags else ["--log.run-dir", str(tmp_path / "r")]
-        p = run([sys.executable, "-m", "minirl.grpo", *flags, *run_dir], timeout=120)
+    cases = [(["--model.path", str(tmp_path / "nope")], "--model.path"),
+             (["--model.tiny.num-heads", "8"], "--model.tiny.num-heads"),
+             (["--rollout.kv-cache-gib", "500"], "--rollout.kv-cache-gib"),
+             (["--rl.batch-per-replica", "12"], "--rl.batch-per-replica"),
+             (["--model.path", str(garbage)], "config.json is not valid JSON"),
+             (["--task.name", "jsonl", "--task.path", str(bad_jsonl)], f"{bad_jsonl}:2"),
+             (["--rl.clip-eps", "-0.2"], "--rl.clip-eps"),
+             (["--task.reward", "no_such_module_xyz:f"], "--task.reward"),
+             (["--log.run-dir", str(used)], "already holds a run")]
+    started = [start([sys.executable, "-m", "minirl.grpo", *flags,
+                      *([] if "--log.run-dir" in flags else ["--log.run-dir", str(tmp_path / f"r{i}")])], timeout=120)
+               for i, (flags, _) in enumerate(cases)]  # together: each is mostly one core importing torch
+    for (flags, flag), result in zip(cases, started):
+        p = result()
         assert p.returncode == 2, flags
         assert flag in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 

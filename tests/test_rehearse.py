@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import ROOT, run, start
 
 MODELS = os.path.join(ROOT, "tests", "data", "models")
 LAST = re.compile(r"rehearsal (grpo|ppo) (\S+) world (\d+): peak ([\d.]+) GiB per card, plan ([\d.]+) GiB, "
@@ -16,18 +16,45 @@ LAST = re.compile(r"rehearsal (grpo|ppo) (\S+) world (\d+): peak ([\d.]+) GiB pe
 RESULT = re.compile(r"rehearsal \w+ \S+ world \d+: rehearsed GiB per card: (.*)")
 
 
-@pytest.fixture
-def stand_in(tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"prompt": "q", "answer": "1"}\n' * 4)
-    return str(data)
+def rehearse(module: str, flags: list[str], tmp_path):
+    """Start a rehearsal; the returned call waits for it and returns (the process, its stdout lines)."""
+    finish = start([sys.executable, "-m", module, *flags, "--log.run-dir", str(tmp_path / "run"), "--dry-run",
+                    "--rehearse", "--dry-run-device", "cuda"], timeout=600)
+
+    def result():
+        p = finish()
+        return p, p.stdout.strip().splitlines()
+    return result
 
 
-def rehearse(module: str, flags: list[str], tmp_path, **env):
-    p = run([sys.executable, "-m", module, *flags, "--log.run-dir", str(tmp_path / "run"), "--dry-run",
-             "--rehearse", "--dry-run-device", "cuda"], timeout=600, env=env)
-    lines = p.stdout.strip().splitlines()
-    return p, lines
+def recipe(path: str, model: str, stand_in: str) -> list[str]:
+    """A recipe's flags at `model`'s shape, on a step of two chunks of the stand-in prompts."""
+    from test_recipes import flags
+    _, nproc, argv, _ = flags(os.path.join(ROOT, "recipes", path))
+    argv = [stand_in if a.endswith(".jsonl") else a for a in argv]
+    argv[argv.index("--model.path") + 1] = os.path.join(MODELS, model)
+    argv[argv.index("--ppo.num-prompts-per-step") + 1] = "84"
+    return [*argv, "--dry-run-world-size", str(nproc)]
+
+
+@pytest.fixture(scope="module")
+def at_real_shapes(tmp_path_factory):
+    """The three rehearsals at a real model's shape, started together: each keeps one core busy (fake
+    tensors dispatch in Python), so they share the machine's cores instead of queueing."""
+    from minirl.tools.fakecuda import library
+    library()  # compiled here once, not by three processes at the same time
+    d = tmp_path_factory.mktemp("rehearsals")
+    (d / "data.jsonl").write_text('{"prompt": "q", "answer": "1"}\n' * 4)
+    stand_in = str(d / "data.jsonl")
+    return {
+        "grpo 0.5b": rehearse("minirl.grpo", [
+            "--model.path", os.path.join(MODELS, "Qwen2.5-0.5B-Instruct"), "--model.dtype", "bfloat16",
+            "--task.name", "jsonl", "--task.path", stand_in, "--rl.group-size", "8", "--rl.batch-per-replica", "64",
+            "--rl.micro-batch-per-replica", "32", "--rl.kl-coef", "0.001", "--rollout.max-prompt-tokens", "512",
+            "--rollout.max-tokens", "512", "--dry-run-world-size", "8"], d / "grpo"),
+        "ppo 0.5b": rehearse("minirl.ppo", recipe("gsm8k_ppo_8gpu.sh", "Qwen2.5-0.5B-Instruct", stand_in), d / "ppo"),
+        "ppo 7b": rehearse("minirl.ppo", recipe("gsm8k_ppo_7b_8gpu.sh", "Qwen2.5-7B-Instruct", stand_in), d / "7b"),
+    }
 
 
 def agree(p, lines, loop: str, world: int) -> dict:
@@ -45,14 +72,10 @@ def agree(p, lines, loop: str, world: int) -> dict:
 
 
 def test_rehearsal_of_grpo_at_the_0_5b_shape_on_8_ranks_finds_no_device_mismatch_and_agrees_with_the_plan(
-        tmp_path, stand_in):
+        at_real_shapes):
     """GRPO's update at Qwen2.5-0.5B, world 8, the 1-GPU recipe's sequence lengths: reference scored
     first, two policy micro-batches (the second packed), clip, step, the weight-sync gather."""
-    p, lines = rehearse("minirl.grpo", [
-        "--model.path", os.path.join(MODELS, "Qwen2.5-0.5B-Instruct"), "--model.dtype", "bfloat16",
-        "--task.name", "jsonl", "--task.path", stand_in, "--rl.group-size", "8", "--rl.batch-per-replica", "64",
-        "--rl.micro-batch-per-replica", "32", "--rl.kl-coef", "0.001", "--rollout.max-prompt-tokens", "512",
-        "--rollout.max-tokens", "512", "--dry-run-world-size", "8"], tmp_path)
+    p, lines = at_real_shapes["grpo 0.5b"]()
     got = agree(p, lines, "grpo", 8)
     # what the step holds: float32 masters and AdamW's moments (1/8 of 0.49B parameters each), and
     # the activations of a micro-batch of 4 x 1024 tokens, far the largest
@@ -60,15 +83,12 @@ def test_rehearsal_of_grpo_at_the_0_5b_shape_on_8_ranks_finds_no_device_mismatch
 
 
 def test_rehearsal_of_streamed_ppo_at_the_0_5b_shape_on_8_ranks_finds_no_device_mismatch_and_agrees_with_the_plan(
-        tmp_path, stand_in):
+        at_real_shapes):
     """The 8-GPU PPO recipe's flags (2 rollout ranks, 6 train ranks, chunks of 42 groups) on a step of
     two chunks: value, reference and policy per chunk, the close, the refit's gather and buckets."""
     from test_recipes import flags
-    _, nproc, argv, _ = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"))
-    argv = [stand_in if a.endswith(".jsonl") else a for a in argv]
-    argv[argv.index("--model.path") + 1] = os.path.join(MODELS, "Qwen2.5-0.5B-Instruct")
-    argv[argv.index("--ppo.num-prompts-per-step") + 1] = "84"
-    p, lines = rehearse("minirl.ppo", [*argv, "--dry-run-world-size", str(nproc)], tmp_path)
+    _, nproc, _, _ = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"))
+    p, lines = at_real_shapes["ppo 0.5b"]()
     got = agree(p, lines, "ppo", nproc - 2)
     assert got["grads"] > 0 and got["optimizer"] > 0
 
@@ -105,16 +125,11 @@ def test_rehearse_asks_for_a_dry_run_and_a_compiler_in_one_line(tmp_path):
                       "torch's headers (once); none is on PATH: install g++ or set CXX"], p.stderr
 
 
-def test_the_7b_ppo_recipe_fits_80_gib_train_cards_with_10_percent_to_spare(tmp_path, stand_in):
+def test_the_7b_ppo_recipe_fits_80_gib_train_cards_with_10_percent_to_spare(at_real_shapes):
     """recipes/gsm8k_ppo_7b_8gpu.sh at the Qwen2.5-7B shape on a step of two chunks: every train card's
     rehearsed peak, a checkpoint's and the export's included, is at most 72 GiB of 80, and the plan
     agrees within 25%. (Without activation checkpointing the same step holds 37 GiB of activations.)"""
-    from test_recipes import flags
-    _, nproc, argv, _ = flags(os.path.join(ROOT, "recipes", "gsm8k_ppo_7b_8gpu.sh"))
-    argv = [stand_in if a.endswith(".jsonl") else a for a in argv]
-    argv[argv.index("--model.path") + 1] = os.path.join(MODELS, "Qwen2.5-7B-Instruct")
-    argv[argv.index("--ppo.num-prompts-per-step") + 1] = "84"
-    p, lines = rehearse("minirl.ppo", [*argv, "--dry-run-world-size", str(nproc)], tmp_path)
+    p, lines = at_real_shapes["ppo 7b"]()
     assert p.returncode == 0
     last = LAST.fullmatch(lines[-1])
     assert last and last.group(2) == "Qwen2.5-7B-Instruct" and int(last.group(7)) == 0, lines[-1]
@@ -127,10 +142,12 @@ def test_the_rehearsal_counts_host_reads_per_optimizer_step_and_none_is_per_micr
     host (the window's finiteness and norm, the step's metrics): none per micro-batch, so on a GPU the
     queue is never drained inside the step. The built-in model's shape keeps it quick."""
     counts = []
-    for micro in (32, 4):  # n_micro 1 and 8 of a mini-batch of 32 rows
-        p, lines = rehearse("minirl.grpo", ["--rl.group-size", "4", "--rl.batch-per-replica", "32",
-                                            "--rl.micro-batch-per-replica", str(micro), "--dry-run-world-size", "1"],
-                            tmp_path / str(micro))
+    started = [rehearse("minirl.grpo", ["--rl.group-size", "4", "--rl.batch-per-replica", "32",
+                                        "--rl.micro-batch-per-replica", str(micro), "--dry-run-world-size", "1"],
+                        tmp_path / str(micro))
+               for micro in (32, 4)]  # n_micro 1 and 8 of a mini-batch of 32 rows
+    for result in started:
+        p, lines = result()
         assert p.returncode == 0, lines[-3:]
         last = LAST.fullmatch(lines[-1])
         assert last and int(last.group(7)) == 0, lines[-1]
