@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run
+from conftest import run, start
 from minirl import launch
 from minirl.config import ConfigError
 from minirl.config_grpo import GRPOArgs
@@ -107,20 +107,26 @@ def test_a_yaml_bomb_exits_2_within_seconds(tmp_path):
 
 
 def test_console_scripts_exit_0_on_success_and_2_on_a_bad_flag(tmp_path):
-    ok = run([script("minirl-grpo"), "--dry-run"], timeout=120)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
+    errors = [([script("minirl-grpo"), "--rl.clip-eps", "-1"], "minirl.grpo: error: --rl.clip-eps"),
+              ([script("minirl-ppo"), "--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-"
+                "streaming-train", "16", "--ppo.lr", "0"], "minirl.ppo: error: --ppo.lr"),
+              ([script("minirl-eval"), "--checkpoint", str(tmp_path / "none")], "minirl.eval: error:"),
+              ([script("minirl-export"), str(tmp_path / "none"), str(tmp_path / "out")], "minirl.export: error:")]
+    # together: each command is mostly one core importing torch
+    ok, ppo, unknown, plot = (start(cmd, timeout=120) for cmd in (
+        [script("minirl-grpo"), "--dry-run"], [script("minirl-ppo"), "--dry-run", "--dry-run-world-size", "2"],
+        [script("minirl-grpo"), "--rl.no-such-flag", "1"], [script("minirl-plot"), str(tmp_path)]))
+    failed = [start(cmd, timeout=120) for cmd, _ in errors]
+    ok = ok()
     assert ok.returncode == 0 and "rank 0: role=both" in ok.stdout and "{" not in ok.stdout.splitlines()[-1]
-    assert run([script("minirl-ppo"), "--dry-run", "--dry-run-world-size", "2"], timeout=120).returncode == 0
-    for cmd, says in [([script("minirl-grpo"), "--rl.clip-eps", "-1"], "minirl.grpo: error: --rl.clip-eps"),
-                      ([script("minirl-ppo"), "--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-"
-                        "streaming-train", "16", "--ppo.lr", "0"], "minirl.ppo: error: --ppo.lr"),
-                      ([script("minirl-eval"), "--checkpoint", str(tmp_path / "none")], "minirl.eval: error:"),
-                      ([script("minirl-export"), str(tmp_path / "none"), str(tmp_path / "out")], "minirl.export: error:")]:
-        p = run(cmd, timeout=120)
+    assert ppo().returncode == 0
+    for (cmd, says), result in zip(errors, failed):
+        p = result()
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr[-1500:])
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert run([script("minirl-grpo"), "--rl.no-such-flag", "1"], timeout=120).returncode == 2
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
-    assert run([script("minirl-plot"), str(tmp_path)], timeout=120).returncode == 0
+    assert unknown().returncode == 2
+    assert plot().returncode == 0
 
 
 @pytest.fixture(scope="module")

@@ -100,15 +100,16 @@ def test_a_cpu_tensor_planted_in_the_step_fails_the_rehearsal_naming_the_op_and_
     plant = ("import sys, torch, minirl.grpo as g; f = g.policy_loss; "
              "g.policy_loss = lambda lp, old, adv, mask, *a, **k: f(lp, old, adv, torch.ones(mask.shape), *a, **k); "
              "g.cli(sys.argv[1:])")
-    flags = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--log.run-dir", str(tmp_path / "run"),
-             "--dry-run", "--dry-run-world-size", "2"]
+    flags = ["--rl.batch-per-replica", "16", "--rl.group-size", "4", "--dry-run", "--dry-run-world-size", "2"]
     child = {"LD_PRELOAD": fake_cuda_library(), "MINIRL_REHEARSAL_CHILD": "1"}  # what tools.rehearse.run sets
-    p = run([sys.executable, "-c", plant, *flags], env=child)
+    planted = start([sys.executable, "-c", plant, *flags, "--log.run-dir", str(tmp_path / "a")], env=child)
+    clean = start([sys.executable, "-m", "minirl.grpo", *flags, "--log.run-dir", str(tmp_path / "b")], env=child)
+    p = planted()
     assert p.returncode == 1
     line = p.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"rehearsal grpo tiny world 2: device mismatch in aten\.\w+\.\w+: cuda:0 meets cpu at "
                         r"minirl/objective\.py:\d+ .*; device mismatches 1 .*", line), line
-    clean = run([sys.executable, "-m", "minirl.grpo", *flags], env=child)
+    clean = clean()
     assert clean.returncode == 0 and "device mismatches 0" in clean.stdout.strip().splitlines()[-1]
 
 
