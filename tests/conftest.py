@@ -121,6 +121,7 @@ def start(cmd: list[str], timeout: int = 600, env: dict | None = None):
         if p.returncode != 0:
             print(p.stdout[-6000:], p.stderr[-6000:], sep="\n----- stderr -----\n")
         return p
+    finish.stop = proc.kill  # for a fixture's teardown: what no test waited for ends with it
     return finish
 
 

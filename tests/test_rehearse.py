@@ -24,6 +24,7 @@ def rehearse(module: str, flags: list[str], tmp_path):
     def result():
         p = finish()
         return p, p.stdout.strip().splitlines()
+    result.stop = finish.stop
     return result
 
 
@@ -46,7 +47,7 @@ def at_real_shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("rehearsals")
     (d / "data.jsonl").write_text('{"prompt": "q", "answer": "1"}\n' * 4)
     stand_in = str(d / "data.jsonl")
-    return {
+    started = {
         "grpo 0.5b": rehearse("minirl.grpo", [
             "--model.path", os.path.join(MODELS, "Qwen2.5-0.5B-Instruct"), "--model.dtype", "bfloat16",
             "--task.name", "jsonl", "--task.path", stand_in, "--rl.group-size", "8", "--rl.batch-per-replica", "64",
@@ -55,6 +56,9 @@ def at_real_shapes(tmp_path_factory):
         "ppo 0.5b": rehearse("minirl.ppo", recipe("gsm8k_ppo_8gpu.sh", "Qwen2.5-0.5B-Instruct", stand_in), d / "ppo"),
         "ppo 7b": rehearse("minirl.ppo", recipe("gsm8k_ppo_7b_8gpu.sh", "Qwen2.5-7B-Instruct", stand_in), d / "7b"),
     }
+    yield started
+    for result in started.values():  # those a `-k` left out
+        result.stop()
 
 
 def agree(p, lines, loop: str, world: int) -> dict:
