@@ -21,8 +21,12 @@ demo: install
 	PY=$(BIN)/python bash recipes/cpu_grpo.sh --log.run-dir runs/demo --log.overwrite
 	$(BIN)/python -m minirl.tools.plot runs/demo
 
+# Two test files at a time (pytest-xdist): most tests wait on processes they start, so on 2 cores the
+# suite takes about half its serial time. A test that bounds a wall time (marked serial) runs after them, alone.
+# --durations: the slowest tests, to keep CI under its 30 minutes.
 test: install
-	$(BIN)/python -m pytest -q --durations=30  # the slowest tests, to keep CI near its 30 minutes
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=30
+	$(BIN)/python -m pytest -q -m serial
 
 clean:
 	rm -rf runs .cache .pytest_cache

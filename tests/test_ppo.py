@@ -400,6 +400,7 @@ def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocate
 
 
 @e2e
+@pytest.mark.serial  # a bound on the wall clock: it runs with no other test beside it
 def test_when_a_train_rank_dies_the_rollout_rank_leaves_within_seconds(tmp_path):
     """kill -9 of train rank 0 (the controller, the heartbeat's owner) at step 1: torchrun SIGTERMs the
     other ranks; the rollout rank sees the trainer gone, closes its engine and leaves, the other

@@ -304,6 +304,7 @@ def test_a_reference_is_compared_as_a_number_only_when_it_is_one(tmp_path, answe
     assert t.scorer([right, wrong], [answer] * 2, [False, False])[0] == [1.0, 0.0]
 
 
+@pytest.mark.serial  # its bound on the wall clock is tight: it runs with no other test beside it
 def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_through_except_exception(
         tmp_path, monkeypatch):
     """A judge call without a timeout: a line names the function and the completion it is on, and

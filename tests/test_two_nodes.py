@@ -86,6 +86,7 @@ def test_colocated_grpo_on_two_nodes_equals_one_node_of_four(hosts, grpo_four_ra
 
 
 @needs_hosts
+@pytest.mark.serial  # a bound on the wall clock: it runs with no other test beside it
 @pytest.mark.parametrize("lost", [0, 1])
 def test_a_node_that_loses_the_other_leaves_naming_the_peer(hosts, tmp_path, lost):
     """Node `lost` is killed (every process, at once) once step 1 is under way; the surviving node's
