@@ -224,9 +224,14 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
 def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     """Also the guard of the rollout rank's device rule: its engine's default group is made to report
     NCCL, as vLLM's CUDA worker leaves it, and refuses every collective (tests/dist/ppo_on_nccl_rollout.py),
-    so a collective minirl runs on a rollout rank (sampling, evals, memory, refits, the stop) fails it."""
+    so a collective minirl runs on a rollout rank (sampling, evals, memory, refits, the stop) fails it.
+    The reward is the built-in one, slowed (as a judge is) so a call's 2 groups are ready 0.4 s after the
+    call's before them whatever the machine's load (two test files at a time once met one chunk)."""
+    (tmp_path / "slow.py").write_text("import time\nfrom minirl import rewards\n\n"
+                                      "def count(completion, answer):\n"
+                                      "    time.sleep(0.05)\n    return rewards.count(completion, answer)\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "tests/dist/ppo_on_nccl_rollout.py",
+             "tests/dist/ppo_on_nccl_rollout.py", "--task.reward", f"{tmp_path}/slow.py:count",
              "--steps", "3", "--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4",
              "--async-rl.min-groups-for-streaming-train", "2", "--async-rl.rollout-groups-per-call", "2",
              "--async-rl.sampler.max-lookahead-versions", "0", "--ppo.critic-ppo-epochs", "2",
