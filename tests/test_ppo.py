@@ -220,6 +220,15 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
     assert engine.log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
 
 
+def slow_count(tmp_path, seconds: float) -> str:
+    """A --task.reward: the built-in reward (its metric still `reward/count`), slowed by `seconds` a completion
+    as a judge is, so a step's groups arrive over time whatever the machine's load."""
+    (tmp_path / "slow.py").write_text("import time\nfrom minirl import rewards\n\n"
+                                      "def count(completion, answer):\n"
+                                      f"    time.sleep({seconds})\n    return rewards.count(completion, answer)\n")
+    return f"{tmp_path}/slow.py:count"
+
+
 @e2e
 def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     """Also the guard of the rollout rank's device rule: its engine's default group is made to report
@@ -227,11 +236,8 @@ def test_streamed_run_trains_on_several_chunks_per_step(tmp_path):
     so a collective minirl runs on a rollout rank (sampling, evals, memory, refits, the stop) fails it.
     The reward is the built-in one, slowed (as a judge is) so a call's 2 groups are ready 0.4 s after the
     call's before them whatever the machine's load (two test files at a time once met one chunk)."""
-    (tmp_path / "slow.py").write_text("import time\nfrom minirl import rewards\n\n"
-                                      "def count(completion, answer):\n"
-                                      "    time.sleep(0.05)\n    return rewards.count(completion, answer)\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "tests/dist/ppo_on_nccl_rollout.py", "--task.reward", f"{tmp_path}/slow.py:count",
+             "tests/dist/ppo_on_nccl_rollout.py", "--task.reward", slow_count(tmp_path, 0.05),
              "--steps", "3", "--ppo.num-prompts-per-step", "8", "--ppo.num-generations-per-prompt", "4",
              "--async-rl.min-groups-for-streaming-train", "2", "--async-rl.rollout-groups-per-call", "2",
              "--async-rl.sampler.max-lookahead-versions", "0", "--ppo.critic-ppo-epochs", "2",
@@ -275,11 +281,8 @@ def test_eight_ranks_two_rollout_six_train_consume_every_group_once_in_aligned_c
     a step's groups arrive over seconds whatever the machine's load: the trainer, polling every few
     milliseconds, meets the first 6 before the last."""
     P, G, dp = 12, 2, 6
-    (tmp_path / "slow.py").write_text("import time\nfrom minirl.rewards import count\n\n"
-                                      "def slow_count(completion, answer):\n"
-                                      "    time.sleep(0.25)\n    return count(completion, answer)\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8", "-m", "minirl.ppo",
-             "--task.reward", f"{tmp_path}/slow.py:slow_count",
+             "--task.reward", slow_count(tmp_path, 0.25),
              "--grid.rollout-ranks", "2", "--steps", "3", "--ppo.num-prompts-per-step", str(P),
              "--ppo.num-generations-per-prompt", str(G), "--async-rl.min-groups-for-streaming-train", "6",
              "--async-rl.rollout-groups-per-call", "1", "--async-rl.sampler.max-lookahead-versions", "0",
