@@ -181,3 +181,32 @@ def test_prepare_gsm8k_reads_a_local_copy_without_the_hub(tmp_path, tiny_path):
     p = subprocess.run([sys.executable, "recipes/prepare_gsm8k.py", "--model", tiny_path, "--from", str(tmp_path),
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "has neither train.jsonl" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_prepare_smollm2_builders_started_at_once_build_the_folder_once(tmp_path):
+    """Three builders of one folder at once: one builds it (a stand-in build that takes a second), the
+    others wait for it and return its folder; none deletes what another wrote."""
+    import importlib.util
+    import threading
+    import time
+    recipe = os.path.join(ROOT, "recipes", "prepare_smollm2.py")
+    spec = importlib.util.spec_from_file_location("prepare_smollm2", recipe)
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    built = []
+
+    def slow_build(out, parent):
+        built.append(out)
+        time.sleep(1)
+        os.makedirs(out)
+        open(os.path.join(out, "model.safetensors"), "w").close()
+
+    prepare._build = slow_build
+    out = str(tmp_path / "model")
+    found = []
+    builders = [threading.Thread(target=lambda: found.append(prepare.build(out))) for _ in range(3)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join()
+    assert built == [out] and found == [out] * 3
