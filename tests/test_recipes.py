@@ -16,7 +16,7 @@ import sys
 import pytest
 import tyro
 
-from conftest import ROOT
+from conftest import ROOT, prepare_smollm2
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
 
@@ -186,13 +186,9 @@ def test_prepare_gsm8k_reads_a_local_copy_without_the_hub(tmp_path, tiny_path):
 def test_prepare_smollm2_builders_started_at_once_build_the_folder_once(tmp_path):
     """Three builders of one folder at once: one builds it (a stand-in build that takes a second), the
     others wait for it and return its folder; none deletes what another wrote."""
-    import importlib.util
     import threading
     import time
-    recipe = os.path.join(ROOT, "recipes", "prepare_smollm2.py")
-    spec = importlib.util.spec_from_file_location("prepare_smollm2", recipe)
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
+    prepare = prepare_smollm2()
     built = []
 
     def slow_build(out, parent):
