@@ -126,16 +126,14 @@ class TrainPump:
                     refs.append(token_logprobs(self.ref, part["input_ids"], lengths=part.get("lengths")))  # no graph yet
             self.events.append("policy.forward")
             with torch.set_grad_enabled(not self.cfg.critic_warmup):  # warmup: pi_old only, no backward follows
-                logp, entropy = token_logprobs(self.policy, part["input_ids"],
-                                               entropy="grad" if self.cfg.loss.get("entropy_coef") else True,
-                                               lengths=part.get("lengths"))
+                logp, entropy = self._policy_forward(part)
             has_engine = "rollout_logp" in part
             old.append(part["rollout_logp"] if self.cfg.use_rollout_logprobs and has_engine else logp.detach())
             if has_engine:
                 gaps.append(logprob_gap(logp.detach(), part["rollout_logp"], part["mask"]))
             if not self.cfg.critic_warmup:  # accumulates; no optimizer step between chunks (S5)
-                self._policy_backward(logp, {**part, "old_logp": old[-1], "ref_logp": refs[-1] if refs else None},
-                                      entropy)
+                part = {**part, "old_logp": old[-1], "ref_logp": refs[-1] if refs else None}
+                self._policy_backward(logp, entropy, part)
                 if gaps:
                     self.calls[-1]["ppo_logprob_gap"] = gaps[-1]
         if self.cfg.critic_warmup and gaps:
@@ -174,8 +172,8 @@ class TrainPump:
                 for c in self.chunks:
                     for rows in self._micro_batches(c["input_ids"].shape[0], self.cfg.policy_micro_rows):
                         part = _slice_rows(c, rows)
-                        self._policy_backward(token_logprobs(self.policy, part["input_ids"], lengths=part.get("lengths")),
-                                              part)
+                        logp, entropy = self._policy_forward(part)  # against the frozen pi_old and advantages
+                        self._policy_backward(logp, entropy, part)
                 self.events.append("policy.step")
                 out.update(self.policy_acc.finish())
             if not self.cfg.refit_after_critic:
@@ -211,7 +209,14 @@ class TrainPump:
         """Policy windows of this step abandoned for a non-finite loss or gradient."""
         return self.policy_acc.skipped - self._skipped_before
 
-    def _policy_backward(self, logp: torch.Tensor, c: dict, entropy: torch.Tensor | None = None) -> None:
+    def _policy_forward(self, part: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logprobs and entropy on `part`'s rows, in every epoch alike; the entropy keeps its
+        graph when it is a bonus (--ppo.entropy-coef)."""
+        bonus = self.cfg.loss.get("entropy_coef")
+        return token_logprobs(self.policy, part["input_ids"], entropy="grad" if bonus else True,
+                              lengths=part.get("lengths"))
+
+    def _policy_backward(self, logp: torch.Tensor, entropy: torch.Tensor | None, c: dict) -> None:
         loss, divisor, m = policy_loss(logp, c["old_logp"], c["adv"], c["mask"], ref_logp=c["ref_logp"],
                                        entropy=entropy, prefix="ppo", **self.cfg.loss)
         self.events.append("policy.backward")

@@ -213,6 +213,34 @@ def test_full_batch_policy_epochs_reuse_the_frozen_pi_old_and_advantages(models,
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(check.optimizer.seen, two.policy_acc.optimizer.seen))
 
 
+def test_full_batch_policy_epochs_all_carry_the_entropy_bonus(models, world):
+    """--ppo.entropy-coef with ppo_epochs=2: epoch 2's loss has the entropy bonus, with its gradient, as
+    epoch 1's has (epoch 2 once scored the policy without its entropy and failed on the bonus)."""
+    from minirl.models import token_logprobs
+    from minirl.objective import policy_loss
+
+    c = merged([make_chunk(*x) for x in CHUNKS])
+    bonus = {"entropy_coef": 0.5}
+    one, _ = run(models, [c], ppo_epochs=1, loss=bonus)
+    two, out = run(models, [c], ppo_epochs=2, loss=bonus)
+    assert two.policy_acc.steps == 2 and "ppo_entropy" in out
+    one.policy_off.onload()  # the policy after epoch 1, as epoch 2 of `two` saw it
+    frozen = one.chunks[0]
+    logp, entropy = token_logprobs(one.policy, c["input_ids"], entropy="grad")
+    check = Accumulator(one.policy, RecordingSGD(one.policy.parameters(), lr=0.0), n_micro=None)  # records only
+    loss, divisor, _ = policy_loss(logp, frozen["old_logp"], frozen["adv"], c["mask"], 0.2, prefix="ppo",
+                                   entropy=entropy, entropy_coef=0.5)
+    check.backward(loss, divisor)
+    check.finish()
+    assert_same_grads(two.policy_acc.optimizer.seen, check.optimizer.seen)
+    without = Accumulator(one.policy, RecordingSGD(one.policy.parameters(), lr=0.0), n_micro=None)
+    loss, divisor, _ = policy_loss(token_logprobs(one.policy, c["input_ids"]), frozen["old_logp"], frozen["adv"],
+                                   c["mask"], 0.2, prefix="ppo")
+    without.backward(loss, divisor)
+    without.finish()  # the bonus moves the gradient: the check above is not blind to it
+    assert max((a - b).abs().max().item() for a, b in zip(without.optimizer.seen, check.optimizer.seen)) > 1e-4
+
+
 def test_colocated_full_batch_refits_after_critic_training(models, world):
     refits = []
     p = pump(models, PumpConfig(critic_ppo_epochs=2, refit_after_critic=True), refit=lambda: refits.append(1))
