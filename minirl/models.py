@@ -128,6 +128,11 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
 
+    @property
+    def config(self):
+        """The backbone's: its attention decides how packed rows are laid out (`batch.one_lane`)."""
+        return self.model.config
+
     def forward(self, input_ids: torch.Tensor, lengths=None) -> torch.Tensor:
         lay = layout(self, input_ids, lengths)                          # padding-free when it packs
         ids = lay.pack(input_ids) if lay else input_ids

@@ -113,6 +113,21 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
     assert off == "padding-free training: off (--model.no-packing)"
 
 
+def test_the_critic_packs_in_one_lane_where_its_backbone_runs_flash_attention(tiny_path):
+    """transformers keeps packed rows apart under flash attention at batch size 1 only: where the backbone
+    runs it, the critic's rows go into one lane as the policy's do (the check at load assumes so)."""
+    policy, value = models.load_policy(tiny_path), models.load_value(tiny_path)
+    ids, lengths = torch.zeros(4, 10, dtype=torch.long), [10, 3, 4, 5]
+    policy.pack_rows = value.pack_rows = True
+    assert models.layout(value, ids, lengths).lanes == 3  # sdpa: lanes as long as the longest row
+    for backbone in (policy, value.model):
+        backbone.config._attn_implementation = "flash_attention_2"  # the setting only: no kernel runs here
+    for model in (policy, value):
+        lay = models.layout(model, ids, lengths)
+        assert (lay.lanes, lay.computed) == (1, 22) and models.computed_tokens(model, ids, lengths) == 22
+    assert models.packing_error(value) is None  # packed, on the promise of one lane
+
+
 def test_equal_lengths_run_padded(tiny_path):
     model = models.load_policy(tiny_path)
     ids = torch.randint(3, 40, (4, 9))
