@@ -67,7 +67,8 @@ class CountTask:
 
     def _problem(self, rng: random.Random) -> Problem:
         s = "".join(rng.choice(self.letters) for _ in range(rng.randint(1, self.max_len)))
-        return Problem(f"{s}#a=", str(s.count("a")))
+        prompt, answer = f"{s}#a=", str(s.count("a"))
+        return Problem(prompt, answer, {"prompt": prompt, "answer": answer})  # its columns, as a data row's
 
     def _held_out_set(self, seed: int, n: int) -> list[Problem]:
         out, i = [], 0

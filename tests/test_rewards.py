@@ -162,6 +162,10 @@ def trl_batched(completions, answer, **kwargs):
     return [None if a == "9" else float(c == a) for c, a in zip(completions, answer)]
 
 
+def trl_prompts(completions, prompts, **kwargs):
+    return [float(len(p)) for p in prompts]
+
+
 def verl_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": float(solution_str == ground_truth), "extra": data_source}
 
@@ -215,6 +219,16 @@ def test_trls_batched_form_is_called_once_per_batch_with_the_columns_and_its_non
     total, parts = s(["3", "9", "4"], ["3", "9", "3"], [False] * 3, rows, [[1], [2], [3]])
     assert total == [1.5, 0.5, 0.0]
     assert parts[0][0] == 1.0 and math.isnan(parts[0][1]) and parts[0][2] == 0.0
+
+
+def test_the_built_in_tasks_rows_give_a_trl_function_its_prompts_and_answer_column(forms):
+    """The built-in task's problems carry a data row's columns, so a TRL function tried on it first gets
+    `prompts` and `answer` as it would from a dataset (it once got no columns and prompts of None)."""
+    task = make_task(TaskConfig(reward=["userpkg.scores:trl_batched", "userpkg.scores:trl_prompts"]), seed=0)
+    rows = [task.train_problem(i) for i in range(3)]
+    total, parts = task.scorer([q.answer for q in rows], [q.answer for q in rows], [False] * 3, [q.row for q in rows])
+    assert parts[1] == [float(len(q.prompt)) for q in rows]
+    assert all(v == 1.0 or math.isnan(v) for v in parts[0]) and any(v == 1.0 for v in parts[0])
 
 
 def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read(forms):
