@@ -298,21 +298,18 @@ def _check_run(args) -> None:
         raise ConfigError("--rehearse is part of a dry run: add --dry-run")
     if args.rehearse and args.dry_run_device == "cpu":
         raise ConfigError("--rehearse plays a CUDA launch: drop --dry-run-device cpu")
-    if args.dry_run_nnodes < 1:
-        raise ConfigError(f"--dry-run-nnodes={args.dry_run_nnodes} must be >= 1")
+    _at_least("--dry-run-nnodes", args.dry_run_nnodes, 1)
     _at_least("--log.every", args.log.every, 1)
     for flag, on, module, extra in (("--log.tensorboard", args.log.tensorboard, "tensorboard", "tensorboard"),
                                     ("--log.wandb-project", args.log.wandb_project, "wandb", "wandb")):
         if on and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{flag} needs {module}: pip install -e '.[{extra}]'")
     _check_run_dir(args)
-    if not 0.0 < args.rollout.temperature:
-        raise ConfigError(f"--rollout.temperature={args.rollout.temperature} must be > 0")
-    if not 0.0 < args.rollout.top_p <= 1.0:
-        raise ConfigError(f"--rollout.top-p={args.rollout.top_p} must be in (0, 1]")
-    if not 0 <= args.rollout.min_tokens <= args.rollout.max_tokens:
-        raise ConfigError(f"--rollout.min-tokens={args.rollout.min_tokens} must be in [0, --rollout.max-tokens="
-                          f"{args.rollout.max_tokens}]")
+    _positive("--rollout.temperature", r.temperature)
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"--rollout.top-p={r.top_p} must be in (0, 1]")
+    if not 0 <= r.min_tokens <= r.max_tokens:
+        raise ConfigError(f"--rollout.min-tokens={r.min_tokens} must be in [0, --rollout.max-tokens={r.max_tokens}]")
     if args.task.name == "jsonl" and not os.path.isfile(args.task.path):
         raise ConfigError(f"--task.path={args.task.path!r} is not a file; give a JSONL prompt file "
                           "or use --task.name count")
