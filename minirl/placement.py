@@ -55,10 +55,10 @@ class StoreGroups:
         self.next_eval, self.last_eval, self.start_step = 0, -1, 0
         self.t = {}  # this step's moments: its start, its first chunk, its last group ready (the controller's)
         self.published: list[int] = []  # version keys still in the store
-        self.group, self.buckets, self.say = None, [], print
+        self.group, self.buckets, self.say, self.write = None, [], print, None
 
-    def start(self, step: int, policy, offload, load=None, say=print) -> None:
-        self.say, self.start_step = say, step
+    def start(self, step: int, policy, offload, load=None, say=print, write=None) -> None:
+        self.say, self.write, self.start_step = say, write, step
         if load is not None:  # a resumed run: no engine shares this card
             load()
         say("waiting for the rollout ranks to build their engines ...")
@@ -124,9 +124,12 @@ class StoreGroups:
                 drop(self.store, f"group/{step}/{i}")
 
     def evals(self, version: int) -> dict:
-        """The newest held-out accuracy the rollout side has posted (it scores versions asynchronously)."""
+        """The held-out scores the rollout side has posted since the last call (it scores versions
+        asynchronously), in order: the newest for the step's record, an older one a record of its own."""
         out = {}
         while self.world.is_main and self.args.log.eval_every and self.store.check([f"eval/{self.next_eval}"]):
+            if out:
+                self.write(out["eval_version"], out)
             out = self._eval(self.next_eval)
             self.next_eval += self.args.log.eval_every
         return out
@@ -135,7 +138,12 @@ class StoreGroups:
         if not (self.world.is_main and self.args.log.eval_every) or self.last_eval == steps:  # logged already
             return {}
         self.store.wait([f"eval/{steps}"])
-        return self._eval(steps)
+        out = self.evals(steps)  # any due version still waiting, and `steps` itself when it is on the interval
+        if self.last_eval != steps:
+            if out:
+                self.write(out["eval_version"], out)
+            out = self._eval(steps)
+        return out
 
     def _eval(self, version: int) -> dict:
         scored = json.loads(take(self.store, f"eval/{version}"))
@@ -318,7 +326,7 @@ class EngineGroups:
         self.args, self.world, self.engine, self.task, self.tok = args, world, engine, task, tok
         self.handoff = None
 
-    def start(self, step: int, policy, offload, load=None, say=print) -> None:
+    def start(self, step: int, policy, offload, load=None, say=print, write=None) -> None:
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]

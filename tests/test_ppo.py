@@ -29,7 +29,7 @@ class RecordingSource:
     def __init__(self, args, colocated: bool, events: list):
         self.args, self.colocated, self.events = args, colocated, events
 
-    def start(self, step, policy, offload, load=None, say=print):
+    def start(self, step, policy, offload, load=None, say=print, write=None):
         self.events.append("start")
 
     def chunks(self, step, ready):
@@ -180,6 +180,36 @@ def colocated_source(args, world, monkeypatch):
 
     monkeypatch.setattr(placement, "_generate", generate)
     return source, engine
+
+
+def test_every_eval_the_rollout_side_posts_is_logged_however_many_arrive_between_two_steps(world):
+    """Disaggregated evals arrive asynchronously through the store: the newest goes into the step's record
+    and each older one (the baseline, with --log.eval-every 1) is a record of its own at its version; at
+    the end, a due version posted after the last step's record is logged before the last one. (Every
+    eval but the newest was dropped once.)"""
+    from minirl.placement import StoreGroups
+    from minirl.refit import put
+
+    store, written = torch.distributed.HashStore(), []
+    post = lambda *versions: [put(store, f"eval/{v}", json.dumps({"eval_accuracy": v / 10}).encode())  # noqa: E731
+                              for v in versions]
+    args = PPOArgs(steps=3)
+    args.log.eval_every = 1
+    source = StoreGroups(args, store, world)
+    source.write = lambda step, record: written.append((step, record["eval_version"], record["eval_accuracy"]))
+    post(0, 1)  # the baseline and version 1, both before step 0's record
+    assert source.evals(1) == {"eval_accuracy": 0.1, "eval_version": 1} and written == [(0, 0, 0.0)]
+    assert source.evals(2) == {}  # nothing new
+    post(2, 3)
+    assert source.evals(3)["eval_version"] == 3 and written[-1] == (2, 2, 0.2)
+    assert source.final_eval(3) == {}  # the last version is logged already
+
+    args = PPOArgs(steps=3)
+    args.log.eval_every, written[:] = 2, []
+    source = StoreGroups(args, store, world)
+    source.write = lambda step, record: written.append((step, record["eval_version"]))
+    post(0, 2, 3)  # due: 0, 2 (the interval) and 3 (the last); all three after the last step's record
+    assert source.final_eval(3)["eval_version"] == 3 and written == [(0, 0), (2, 2)]
 
 
 STEP_CYCLE = ["generate", "sleep:1", "wake:weights", "load_weights", "wake:kv_cache"]
