@@ -122,7 +122,7 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
                       **rolled, "lr": policy_opt.param_groups[0]["lr"], "value_lr": value_opt.param_groups[0]["lr"],
                       "rollout_memory_peak_gib": source.rollout_memory_gib() or None, "critic_warmup": warmup,
                       "groups_consumed": consumed, **times, **source.evals(step + 1)}
-            run.end_step(step, record, warmup or not pump.skipped, save=lambda: source.save(lambda: save(step)))
+            run.end_step(step, record, warmup or acc.steps > 0, save=lambda: source.save(lambda: save(step)))
         if not run.stopped:
             run.write(args.steps, source.final_eval(args.steps))  # the last version's eval, when it came late
         source.stop()

@@ -139,6 +139,27 @@ def test_ppo_stops_after_max_skipped_steps_of_non_finite_updates(tiny_path, worl
     assert not (tmp_path / "final").exists()
 
 
+def test_a_step_whose_later_policy_epoch_is_non_finite_still_took_an_update(tiny_path, world, tmp_path, monkeypatch):
+    """Full batch, two policy epochs, the second one's loss non-finite: the first epoch's optimizer step
+    happened, so the stall rule does not count the step as one without an update (it counted any skip as
+    one), and the skip is in the record."""
+    from minirl import stream
+    args = small_ppo_args(tmp_path, steps=2)
+    args.grid.gpu_placement, args.async_rl.min_groups_for_streaming_train = "colocated", 2
+    args.ppo.ppo_epochs, args.ppo.max_skipped_steps = 2, 1
+    loss, calls = stream.policy_loss, []
+
+    def second_epoch_nan(*a, **k):  # one chunk, no micro-batches: the calls alternate epoch 1, epoch 2
+        calls.append(1)
+        out = loss(*a, **k)
+        return (out[0] * float("nan"), *out[1:]) if len(calls) % 2 == 0 else out
+
+    monkeypatch.setattr(stream, "policy_loss", second_epoch_nan)
+    recs = train_in_process(args, tiny_path, world, RecordingSource(args, True, []))
+    assert len(calls) == 4 and [r["step"] for r in recs] == [0, 1]
+    assert all(r["skipped_nonfinite"] == 1.0 for r in recs) and (tmp_path / "final").exists()
+
+
 def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path, world, tmp_path, monkeypatch):
     """Critic warmup 2 and lr warmup 2: the policy's first optimizer step (at step 2) is step 0 of its
     schedule, so it trains at lr / 2 then lr; the critic steps from step 0 (lr / 2, then lr). Both
