@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 import threading
 import time
@@ -72,8 +71,7 @@ class StoreGroups:
             self.store.set("start", str(step))
         if step:  # resumed: the rollout ranks start from the restored weights
             self.refit(step, policy)
-        every = self.args.log.eval_every
-        self.next_eval = math.ceil(step / every) * every if every else 0
+        self.next_eval = self._due(step)
 
     def chunks(self, step: int, ready: ReadyGroups):
         waiting, dp = set(range(ready.num_prompts)), self.world.world_size
@@ -127,23 +125,23 @@ class StoreGroups:
         """The held-out scores the rollout side has posted since the last call (it scores versions
         asynchronously), in order: the newest for the step's record, an older one a record of its own."""
         out = {}
-        while self.world.is_main and self.args.log.eval_every and self.store.check([f"eval/{self.next_eval}"]):
+        while self.world.is_main and self.next_eval <= self.args.steps and self.store.check([f"eval/{self.next_eval}"]):
             if out:
                 self.write(out["eval_version"], out)
             out = self._eval(self.next_eval)
-            self.next_eval += self.args.log.eval_every
+            self.next_eval = self._due(self.next_eval + 1)
         return out
 
     def final_eval(self, steps: int) -> dict:
         if not (self.world.is_main and self.args.log.eval_every) or self.last_eval == steps:  # logged already
             return {}
-        self.store.wait([f"eval/{steps}"])
-        out = self.evals(steps)  # any due version still waiting, and `steps` itself when it is on the interval
-        if self.last_eval != steps:
-            if out:
-                self.write(out["eval_version"], out)
-            out = self._eval(steps)
-        return out
+        self.store.wait([f"eval/{steps}"])  # posted in order: every due version before it is there too
+        return self.evals(steps)
+
+    def _due(self, first: int) -> int:
+        """The first version from `first` on that is scored (`LogConfig.evaluates`), else steps + 1."""
+        steps = self.args.steps
+        return next((v for v in range(first, steps + 1) if self.args.log.evaluates(v, steps)), steps + 1)
 
     def _eval(self, version: int) -> dict:
         scored = json.loads(take(self.store, f"eval/{version}"))
