@@ -124,14 +124,10 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.model = backbone
+        self.config = backbone.config  # its attention decides how packed rows are laid out (batch.one_lane)
         self.score = nn.Linear(hidden_size, 1, bias=True)
         nn.init.zeros_(self.score.weight)
         nn.init.zeros_(self.score.bias)
-
-    @property
-    def config(self):
-        """The backbone's: its attention decides how packed rows are laid out (`batch.one_lane`)."""
-        return self.model.config
 
     def forward(self, input_ids: torch.Tensor, lengths=None) -> torch.Tensor:
         lay = layout(self, input_ids, lengths)                          # padding-free when it packs
