@@ -468,16 +468,21 @@ def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monk
 
 def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tmp_path):
     """A checkpoint's model is its run's: <run dir>/config.json's model section; without one, say which
-    file is missing and which flag names the model instead."""
+    file is missing and which flag names the model instead. --model.path moves the folder only: the run's
+    dtype stays, so the export is written as the run's final/ was."""
     from minirl.tools.export import run_model_config
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
     ckpt.mkdir(parents=True)
     with pytest.raises(ConfigError, match=re.escape(f"{ckpt}: no {tmp_path / 'run' / 'config.json'} to say which "
                                                     "model it belongs to; pass --model.path")):
         run_model_config(str(ckpt))
+    got = run_model_config(str(ckpt), "/models/moved")
+    assert (got.path, got.dtype) == ("/models/moved", "float32")
     (tmp_path / "run" / "config.json").write_text(json.dumps({"model": {"path": "/models/mine", "dtype": "bfloat16"}}))
     got = run_model_config(str(ckpt))
     assert (got.path, got.dtype) == ("/models/mine", "bfloat16")
+    got = run_model_config(str(ckpt), "/models/moved")
+    assert (got.path, got.dtype) == ("/models/moved", "bfloat16")
 
 
 @pytest.mark.parametrize("loop, world_size", [("ppo", "2"), ("grpo", None)])

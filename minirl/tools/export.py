@@ -2,10 +2,11 @@
 a Hugging Face folder, the same as a run's `final/`.
 
 The model it belongs to comes from the run's config.json beside the checkpoints folder
-(`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`), or from `--model.path`. The weights are
-read with the same checks as a resume (checkpoint.load_model: nothing is unpickled blindly, the
-shapes must match), on one process, on CPU. OUT must be new or empty (`--overwrite` replaces an
-earlier export there and nothing else): export never deletes what it did not write (`check_out`).
+(`<run dir>/checkpoints/step_N` -> `<run dir>/config.json`); `--model.path` names its folder instead,
+the run's dtype kept. The weights are read with the same checks as a resume (checkpoint.load_model:
+nothing is unpickled blindly, the shapes must match), on one process, on CPU. OUT must be new or empty
+(`--overwrite` replaces an earlier export there and nothing else): export never deletes what it did not
+write (`check_out`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ def run_config_path(ckpt: str) -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
 
 
-def run_model_config(ckpt: str) -> ModelConfig:
-    """The model a checkpoint was trained from, by its run's config.json."""
+def run_model_config(ckpt: str, model_path: str = "") -> ModelConfig:
+    """The model a checkpoint was trained from, by its run's config.json; `model_path` (--model.path) names
+    its folder instead, the run's dtype and tiny shape kept where its config.json is there."""
     from minirl.flags import fill
     run_config = run_config_path(ckpt)
     if not os.path.isfile(run_config):
+        if model_path:
+            return ModelConfig(path=model_path)
         raise ConfigError(f"{ckpt}: no {run_config} to say which model it belongs to; pass --model.path")
     with open(run_config) as f:
-        return fill(ModelConfig(), json.load(f).get("model", {}), "model.")
+        cfg = fill(ModelConfig(), json.load(f).get("model", {}), "model.")
+    cfg.path = model_path or cfg.path
+    return cfg
 
 
 def check_checkpoint(ckpt: str, flag: str) -> None:
@@ -86,7 +92,7 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
     from minirl import checkpoint, dist, models
     from minirl.run import export_hf, model_card
     dist.init()
-    cfg = ModelConfig(path=model_path) if model_path else run_model_config(ckpt)
+    cfg = run_model_config(ckpt, model_path)
     path = models.resolve_path(cfg)
     policy = models.load_policy(path)
     checkpoint.load_model(ckpt, "policy", policy)
