@@ -162,8 +162,8 @@ def test_a_step_whose_later_policy_epoch_is_non_finite_still_took_an_update(tiny
 
 def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path, world, tmp_path, monkeypatch):
     """Critic warmup 2 and lr warmup 2: the policy's first optimizer step (at step 2) is step 0 of its
-    schedule, so it trains at lr / 2 then lr; the critic steps from step 0 (lr / 2, then lr). Both
-    optimizers take --ppo.weight-decay."""
+    schedule, so it trains at lr / 2 then lr, and the warmup steps, which take no policy step, log no `lr`;
+    the critic steps from step 0 (lr / 2, then lr). Both optimizers take --ppo.weight-decay."""
     from minirl import models
     args = small_ppo_args(tmp_path, steps=4)
     args.ppo.critic_warmup_steps, args.ppo.lr_warmup_steps = 2, 2
@@ -173,6 +173,7 @@ def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path
     recs = train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
     assert built == [(1e-4, 0.05), (2e-4, 0.05)]
     assert [r["critic_warmup"] for r in recs] == [True, True, False, False]
+    assert [r.get("lr") for r in recs[:2]] == [None, None]
     assert [r["lr"] for r in recs[2:]] == pytest.approx([5e-5, 1e-4], rel=1e-9)
     assert [r["value_lr"] for r in recs] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-4], rel=1e-9)
 
