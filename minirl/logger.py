@@ -232,12 +232,14 @@ def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], c
 
 def training_rows(tok, prompts: list, completions: list, rewards, parts: dict, clipped, n: int) -> list[dict]:
     """The first `n` of a step's training rollouts for samples.jsonl (--log.train-samples): prompt and
-    completion decoded, the reward, each function's value (`parts`: name -> values), clipped."""
+    completion decoded, the reward, each function's value (`parts`: name -> values), clipped. A prompt
+    keeps its special tokens (a chat template's markers, as the eval rows show it); a completion's EOS goes."""
     n = min(n, len(completions))
     if not n:
         return []
-    text = tok.batch_decode([list(map(int, c)) for c in prompts[:n] + completions[:n]], skip_special_tokens=True)
-    return [{"prompt": text[i], "completion": text[n + i], "reward": float(rewards[i]),
+    asked = tok.batch_decode([list(map(int, c)) for c in prompts[:n]], skip_special_tokens=False)
+    said = tok.batch_decode([list(map(int, c)) for c in completions[:n]], skip_special_tokens=True)
+    return [{"prompt": asked[i], "completion": said[i], "reward": float(rewards[i]),
              "rewards": {k: float(v[i]) for k, v in parts.items()}, "clipped": bool(clipped[i])} for i in range(n)]
 
 

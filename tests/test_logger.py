@@ -188,15 +188,16 @@ def test_sample_metrics_are_the_hand_computed_ones():
 
 
 def test_training_rows_decode_the_first_n_rollouts_with_their_rewards():
+    """A completion is read without its EOS; a prompt with its special tokens (token 1 here), as the model saw
+    it: a chat template's markers, as the eval rows show them."""
     class Tok:
         def batch_decode(self, rows, skip_special_tokens):
-            assert skip_special_tokens  # no <eos> or pads in the text a person reads
-            return ["".join(chr(96 + t) for t in row) for row in rows]
+            return ["".join(chr(96 + t) for t in row if not (skip_special_tokens and t == 1)) for row in rows]
 
     from minirl.logger import training_rows
-    rows = training_rows(Tok(), [[1], [2], [3]], [[4, 5], [6], [7]], [0.5, 1.0, 0.0], {"f": [1, 0, 0]},
+    rows = training_rows(Tok(), [[1, 2], [2], [3]], [[4, 5, 1], [6], [7]], [0.5, 1.0, 0.0], {"f": [1, 0, 0]},
                          [True, False, False], 2)
-    assert rows == [{"prompt": "a", "completion": "de", "reward": 0.5, "rewards": {"f": 1.0}, "clipped": True},
+    assert rows == [{"prompt": "ab", "completion": "de", "reward": 0.5, "rewards": {"f": 1.0}, "clipped": True},
                     {"prompt": "b", "completion": "f", "reward": 1.0, "rewards": {"f": 0.0}, "clipped": False}]
     assert training_rows(Tok(), [[1]], [[2]], [1.0], {}, [False], 0) == []
 
