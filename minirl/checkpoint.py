@@ -49,11 +49,12 @@ def find(resume: str, ckpt_dir: str, loop: str | None = None, world_size: int | 
          steps: int | None = None, owner: dict | None = None) -> str | None:
     """The checkpoint to resume, checked (`check`) when `loop` is given: a named folder that fails is
     refused; `auto` takes the newest that passes, of this run's line (`owner`, launch.identity) or an
-    earlier line up to where this one started. Refused when it already holds `steps` steps."""
+    earlier line up to where this one started. Refused when it holds more than `steps` steps; one that holds
+    them all resumes only to finish the run (a stop after its last step left no export)."""
     path = _find(resume, ckpt_dir, loop, world_size, owner or {})
-    if path and steps is not None and steps_done(path) >= steps:
-        raise CheckpointError(f"--steps={steps}: {path} already holds {steps_done(path)} steps, so nothing is left "
-                              f"to train; give a larger --steps to continue the run")
+    if path and steps is not None and steps_done(path) > steps:
+        raise CheckpointError(f"--steps={steps}: {path} already holds {steps_done(path)} steps, more than asked; "
+                              f"give --steps {steps_done(path)} or more to continue the run")
     return path
 
 

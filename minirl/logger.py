@@ -34,6 +34,7 @@ class RunLog:
         self.device, self.profile, self._t = device or torch.device("cpu"), {}, time.perf_counter()
         self.step_times: list[float] = []  # for the ETA
         self._file = self._samples = self._tb = self._wandb = None
+        self.last_eval: dict = {}  # a resumed run's newest eval record in the history it keeps (rank 0)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -57,8 +58,9 @@ class RunLog:
                                      resume="allow")
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            self._file = _history(os.path.join(run_dir, "metrics.jsonl"), start_step)
-            self._samples = _history(os.path.join(run_dir, "samples.jsonl"), start_step)
+            self._file, kept = _history(os.path.join(run_dir, "metrics.jsonl"), start_step)
+            self._samples, _ = _history(os.path.join(run_dir, "samples.jsonl"), start_step)
+            self.last_eval = next((r for r in map(json.loads, reversed(kept)) if "eval_version" in r), {})
 
     @contextlib.contextmanager
     def phase(self, name: str, announce: str = "", extra=None):
@@ -184,8 +186,8 @@ def sample_line(row: dict, where: str = "") -> str:
 
 
 def _history(path: str, start_step: int):
-    """`path` open for appending. A resumed run keeps only the lines of the steps before `start_step`,
-    written to a temporary file, fsynced and renamed over it; a fresh run starts it empty."""
+    """`path` open for appending, and the lines kept. A resumed run keeps only the lines of the steps before
+    `start_step`, written to a temporary file, fsynced and renamed over it; a fresh run starts it empty."""
     kept = []
     if start_step and os.path.exists(path):
         try:
@@ -199,7 +201,7 @@ def _history(path: str, start_step: int):
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    return open(path, "a")
+    return open(path, "a"), kept
 
 
 def engine_log(log_cfg, rank: int, several: bool) -> str | None:

@@ -56,7 +56,9 @@ class StoreGroups:
         self.published: list[int] = []  # version keys still in the store
         self.group, self.buckets, self.say, self.write = None, [], print, None
 
-    def start(self, step: int, policy, offload, load=None, say=print, write=None) -> None:
+    def start(self, step: int, policy, offload, load=None, say=print, write=None, logged_eval=-1) -> None:
+        """`logged_eval`: a resumed run's newest eval version in its history; the rollout side scores the
+        resumed version again (its eval may have come after the checkpoint), logged only if it is newer."""
         self.say, self.write, self.start_step = say, write, step
         if load is not None:  # a resumed run: no engine shares this card
             load()
@@ -71,7 +73,7 @@ class StoreGroups:
             self.store.set("start", str(step))
         if step:  # resumed: the rollout ranks start from the restored weights
             self.refit(step, policy)
-        self.next_eval = self._due(step)
+        self.last_eval, self.next_eval = logged_eval, self._due(max(step, logged_eval + 1))
 
     def chunks(self, step: int, ready: ReadyGroups):
         waiting, dp = set(range(ready.num_prompts)), self.world.world_size
@@ -324,7 +326,7 @@ class EngineGroups:
         self.args, self.world, self.engine, self.task, self.tok = args, world, engine, task, tok
         self.handoff = None
 
-    def start(self, step: int, policy, offload, load=None, say=print, write=None) -> None:
+    def start(self, step: int, policy, offload, load=None, say=print, write=None, logged_eval=-1) -> None:
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]

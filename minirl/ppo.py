@@ -87,7 +87,8 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
         run.save(step)
 
     with run.guard(source.cleanup, source.close):  # TRY NOT TO MODIFY: the error raised is the one that stopped it
-        source.start(run.start, policy, resident, load=run.load if run.resume else None, say=run.info, write=run.write)
+        source.start(run.start, policy, resident, load=run.load if run.resume else None, say=run.info, write=run.write,
+                     logged_eval=run.logged_eval)
         if run.resume:
             run.resumed([(policy_opt, policy_lr(max(0, run.start - p.critic_warmup_steps) * p.ppo_epochs), "--ppo.lr"),
                          (value_opt, value_lr(run.start * p.critic_ppo_epochs), "--ppo.value-lr")])

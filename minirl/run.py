@@ -40,7 +40,8 @@ class Run:
         self.stall = Stall(opt.max_skipped_steps,
                            f"a learning rate too high for this model (--{group}.lr={opt.lr}) or non-finite rewards")
         self.stop = dist.sigterm_flag()
-        self.record: dict = {}
+        self.record = dict(self.log.last_eval)  # the newest record; a resumed run's newest eval until a step's
+        self.logged_eval = self.log.last_eval.get("eval_version", -1)  # the newest eval version logged (rank 0)
         self.stopped = ""          # "" (ran on), "signal" or "target"
         self.saved = None          # the last step whose checkpoint this run wrote
         self.parts, self.state = {}, dict
@@ -91,6 +92,8 @@ class Run:
         for optimizer, lr, flag in rates:
             checkpoint.report_lr(optimizer, lr, flag, self.info)
         self.info(f"resumed from {self.resume} at step {self.start}")
+        if self.start == self.args.steps:
+            self.info(f"--steps={self.args.steps}: every step is done; finishing the run (its export)")
 
     def save(self, step: int) -> None:
         """The checkpoint after `step` (a collective), written but not complete: `end_step` completes it once

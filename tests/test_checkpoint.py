@@ -220,17 +220,19 @@ def test_kill_during_save_resumes_from_the_previous_complete_checkpoint(straight
     """kill -9 while step 4's checkpoint is written (in the update window: before its step's record):
     with a data file cut short, after the data but before the COMPLETE marker, complete but not yet
     renamed, and in place before the prune. The history holds every step the newest complete
-    checkpoint claims; the resume takes step 2's and the run ends exactly as one never interrupted."""
+    checkpoint claims; the resume takes step 2's (step 4's, complete before the prune, holds every step:
+    that resume only exports) and the run ends exactly as one never interrupted."""
     p = grpo(tmp_path, "--steps", "4", env={"MINIRL_FAULT": f"{point}:4"})
     assert p.returncode == -signal.SIGKILL
     history_holds_the_newest_checkpoint(tmp_path)
     if point == "kill_before_prune":  # step 4's checkpoint is complete: the run is done but for its export
         assert checkpoint_names(tmp_path / "checkpoints") == ["step_00000002", "step_00000004"]
-        return
-    ckpts = checkpoint_names(tmp_path / "checkpoints")
-    assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one is never taken
+        assert not (tmp_path / "final").exists()
+    else:
+        ckpts = checkpoint_names(tmp_path / "checkpoints")
+        assert ckpts == ["step_00000002", "step_00000004.tmp"]  # the interrupted one is never taken
     p = grpo(tmp_path, "--steps", "4", "--checkpoint.resume", "auto")
-    assert p.returncode == 0 and "step_00000002" in p.stdout
+    assert p.returncode == 0 and f"step_0000000{4 if point == 'kill_before_prune' else 2}" in p.stdout
     a, b = weights(straight), weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert records(straight) == records(tmp_path)
@@ -420,11 +422,14 @@ def test_a_grpo_resume_from_a_ppo_checkpoint_fails_before_the_model_is_built(tmp
     assert "loading the policy" not in p.stdout  # refused before anything was built
 
 
-def test_steps_at_or_below_the_steps_done_are_refused_not_a_silent_no_op(tmp_path, world, tiny_path):
+def test_steps_below_the_steps_done_are_refused_and_equal_ones_resume_to_finish_the_run(tmp_path, world, tiny_path):
+    """Fewer --steps than the checkpoint holds is refused, not a silent no-op; as many resumes, to finish a run
+    stopped after its last step (its export)."""
     _, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
-    for steps in (1, 2):
-        with pytest.raises(checkpoint.CheckpointError, match=f"--steps={steps}: .* already holds 2 steps"):
-            checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, steps)
+    with pytest.raises(checkpoint.CheckpointError, match="--steps=1: .* already holds 2 steps, more than asked; "
+                                                          "give --steps 2 or more"):
+        checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, 1)
+    assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, 2) == second
     assert checkpoint.find("auto", str(tmp_path / "checkpoints"), "grpo", 1, 3) == second
 
 

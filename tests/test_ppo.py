@@ -29,7 +29,7 @@ class RecordingSource:
     def __init__(self, args, colocated: bool, events: list):
         self.args, self.colocated, self.events = args, colocated, events
 
-    def start(self, step, policy, offload, load=None, say=print, write=None):
+    def start(self, step, policy, offload, load=None, say=print, write=None, logged_eval=-1):
         self.events.append("start")
 
     def chunks(self, step, ready):
@@ -402,6 +402,25 @@ def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     recs = steps_logged(tmp_path)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(r["value_epoch_n"] == 8 * 4 for r in recs)
+
+
+@e2e
+def test_a_run_stopped_after_its_last_step_resumes_to_finish_it_logging_each_eval_once(tmp_path):
+    """A SIGTERM in the last step: the emergency save holds every step, and the run ends without its export.
+    A resume with the same --steps trains nothing and finishes the run: final/ is written (the resume was
+    refused, "nothing is left to train"). The rollout side scores the resumed version again; a version the
+    kept history logged already is not logged twice."""
+    flags = ["--steps", "2", "--log.eval-every", "1", "--task.eval-prompts", "4",
+             "--async-rl.min-groups-for-streaming-train", "2"]
+    p = ppo(2, tmp_path, *flags, env={"MINIRL_FAULT": "sigterm:1"})
+    assert p.returncode == 0 and "SIGTERM: saved" in p.stdout and not (tmp_path / "final").exists()
+    p = ppo(2, tmp_path, *flags, "--checkpoint.resume", "auto")
+    assert p.returncode == 0 and "--steps=2: every step is done; finishing the run" in p.stdout
+    assert (tmp_path / "final" / "model.safetensors").exists() and len(steps_logged(tmp_path)) == 2
+    card = (tmp_path / "final" / "README.md").read_text()  # the last eval, from the history the resume kept
+    assert re.search(r"\| held-out accuracy \(greedy, last evaluation\) \| \d\.\d{4} \|", card)
+    versions = [json.loads(line)["eval_version"] for line in open(tmp_path / "metrics.jsonl") if "eval_version" in line]
+    assert versions == [0, 1, 2]
 
 
 COLOCATED = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8",
