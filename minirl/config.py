@@ -186,7 +186,8 @@ class OptimConfig:
     learning rate and its schedule, the clipped objective, the gradient clip, the stall rule, the hand-off."""
 
     lr: float = 1e-4
-    """AdamW learning rate of the policy (the peak, after the warmup)."""
+    """AdamW learning rate of the policy (the peak, after the warmup). The default suits the built-in tiny
+    model; a pretrained one wants about 1e-6 (TRL's and verl's default)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to the peak learning rate."""
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -21,6 +21,7 @@ from huggingface_hub import save_torch_state_dict
 
 from minirl import checkpoint, dist, models
 from minirl.accumulator import Stall
+from minirl.config import TINY, OptimConfig
 from minirl.logger import RunLog, memory_peak_gib
 
 
@@ -39,6 +40,9 @@ class Run:
         opt = getattr(args, group)
         self.stall = Stall(opt.max_skipped_steps,
                            f"a learning rate too high for this model (--{group}.lr={opt.lr}) or non-finite rewards")
+        if args.model.path != TINY and opt.lr >= OptimConfig.lr:  # AdamW's first steps move every weight by ~lr
+            self.info(f"warning: --{group}.lr={opt.lr:g} suits the built-in tiny model; it moves a pretrained model "
+                      "far in a step (TRL and verl default to 1e-6)")
         self.stop = dist.sigterm_flag()
         self.record = dict(self.log.last_eval)  # the newest record; a resumed run's newest eval until a step's
         self.logged_eval = self.log.last_eval.get("eval_version", -1)  # the newest eval version logged (rank 0)

@@ -87,3 +87,22 @@ def test_a_fresh_start_under_resume_auto_says_there_was_nothing_to_resume(tmp_pa
         Run(ready_for(args, tiny_path), world, "a test", rows=8)
         nothing = f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh"
         assert (said[0] == nothing) == (resume == "auto") and said[-2].startswith("minirl.grpo: a test; model ")
+
+
+def test_a_pretrained_model_at_the_tiny_models_learning_rate_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
+    """The default --rl.lr (1e-4) suits the built-in tiny model. AdamW's first steps move every weight by about
+    the rate: SmolLM2-135M at 1e-4 was 8 to 13 nats a token from its start within 4 optimizer steps. A pretrained
+    model at that rate gets one line; at 1e-6 (TRL's and verl's default), or the tiny model, none."""
+    from minirl.logger import RunLog
+    said = []
+    monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
+    args = GRPOArgs()
+    args.log.run_dir = str(tmp_path)
+    for path, lr, warned in [("tiny", 1e-4, False), ("/models/pretrained", 1e-4, True),
+                             ("/models/pretrained", 1e-6, False)]:
+        args.model.path, args.rl.lr = path, lr
+        said.clear()
+        Run(ready_for(args, tiny_path), world, "a test", rows=8)
+        warning = ("warning: --rl.lr=0.0001 suits the built-in tiny model; it moves a pretrained model far in a step "
+                   "(TRL and verl default to 1e-6)")
+        assert (warning in said) == warned, (path, lr, said)
