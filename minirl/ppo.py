@@ -120,7 +120,8 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
             rolled = across_ranks(out)
             record = {**group_metrics(groups, G, ready.task.scorer.names, P * G, ready.tok, args.log.train_samples),
                       "entropy": rolled.pop("ppo_entropy", None), "logprob_gap": rolled.pop("ppo_logprob_gap", None),
-                      **rolled, "lr": None if warmup else policy_opt.param_groups[0]["lr"], "value_lr": value_opt.param_groups[0]["lr"],
+                      **rolled, "lr": None if warmup else policy_opt.param_groups[0]["lr"],  # warmup: no policy step
+                      "value_lr": value_opt.param_groups[0]["lr"],
                       "rollout_memory_peak_gib": source.rollout_memory_gib() or None, "critic_warmup": warmup,
                       "groups_consumed": consumed, **times, **source.evals(step + 1)}
             run.end_step(step, record, warmup or acc.steps > 0, save=lambda: source.save(lambda: save(step)))
