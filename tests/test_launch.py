@@ -594,7 +594,9 @@ def test_export_never_writes_over_the_root_the_working_directory_or_the_run(tmp_
 def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path):
     """`minirl-eval --checkpoint <run>/checkpoints/step_N` (or `--checkpoint=`) takes the run's config.json
     as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
-    explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more."""
+    explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more.
+    So does `--model.path <run>/final`, a run's export (it was scored on the built-in task); another
+    model folder reads nothing more."""
     from minirl.tools.eval import EvalArgs, _with_run_config
     run_dir = tmp_path / "lr=1e-6"  # an `=` in the path, after --checkpoint= too
     ckpt = run_dir / "checkpoints" / "step_00000004"
@@ -607,9 +609,12 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
         args = launch.parse(EvalArgs, _with_run_config([*argv, "--seed", "3"]), "", lenient=True)
         assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint) == (
             3, 12, str(tmp_path / "model"), str(ckpt))
+    for argv in (["--model.path", str(run_dir / "final")], [f"--model.path={run_dir}/final/", "--seed", "3"]):
+        assert _with_run_config(argv) == ["--config", str(run_dir / "config.json"), *argv]
     for argv in (["--checkpoint", str(ckpt), "--config", "other.yaml"], [f"--config={tmp_path}/x.json",
                  "--checkpoint", str(ckpt)], ["--checkpoint", str(tmp_path / "elsewhere" / "step_1")],
-                 ["--samples", "2", "--checkpoint"]):
+                 ["--samples", "2", "--checkpoint"], ["--model.path", str(tmp_path / "model")],
+                 ["--model.path", str(tmp_path / "elsewhere" / "final")]):
         assert _with_run_config(argv) == argv
 
 
