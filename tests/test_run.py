@@ -91,8 +91,9 @@ def test_a_fresh_start_under_resume_auto_says_there_was_nothing_to_resume(tmp_pa
 
 def test_a_pretrained_model_at_the_tiny_models_learning_rate_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
     """The default --rl.lr (1e-4) suits the built-in tiny model. AdamW's first steps move every weight by about
-    the rate: SmolLM2-135M at 1e-4 was 8 to 13 nats a token from its start within 4 optimizer steps. A pretrained
-    model at that rate gets one line; at 1e-6 (TRL's and verl's default), or the tiny model, none."""
+    the rate: SmolLM2-135M at 1e-4 was 7 to 13 nats a token from its start (a step's mean KL) within 2 to 4
+    optimizer steps. A pretrained model at that rate gets one line; at 1e-6 (TRL's and verl's default), or the
+    tiny model, none."""
     from minirl.logger import RunLog
     said = []
     monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
