@@ -144,7 +144,7 @@ class LogConfig:
     """Training rollouts of each step written to samples.jsonl (and to W&B as a table): prompt, completion,
     reward, each reward function's value, clipped (this rank's first; 0 = none)."""
     target_eval_accuracy: float = 0.0
-    """Stop early once eval_accuracy reaches this (0 = run all --steps)."""
+    """Stop early once a trained policy's eval_accuracy reaches this (0 = run all --steps)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars to <run dir>/tensorboard (pip install -e '.[tensorboard]')."""
     wandb_project: str = ""

@@ -160,7 +160,8 @@ class Run:
             self.stopped = "signal"
             return
         target = self.args.log.target_eval_accuracy
-        reached = float(bool(target) and record.get("eval_accuracy", 0.0) >= target)
+        trained = record.get("eval_version") != 0  # streamed PPO's step 0 can carry the starting policy's score
+        reached = float(bool(target) and trained and record.get("eval_accuracy", 0.0) >= target)
         if dist.all_reduce(torch.tensor([reached]), "max").item():  # every rank stops with the one that saw it
             self.info(f"eval_accuracy {record.get('eval_accuracy', target):.3f} reached "
                       f"--log.target-eval-accuracy={target}; stopping")

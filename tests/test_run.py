@@ -63,13 +63,14 @@ def test_a_run_that_never_evaluates_scores_no_starting_policy(tmp_path, tiny_pat
 
 def test_the_target_accuracy_stops_the_run_at_the_step_that_reaches_it(tmp_path, tiny_path, world):
     """--log.target-eval-accuracy 0.5: a step scored at exactly 0.5 is the last, with a line saying so;
-    below it, or unscored, the run goes on."""
+    below it, or unscored, the run goes on, as it does on the starting policy's score (streamed PPO's
+    step 0 record can carry version 0's)."""
     run, said = harness(tmp_path, tiny_path, world, eval_every=2, target_eval_accuracy=0.5)
-    accuracy = {1: 0.49, 3: 0.5, 5: 0.75}  # the steps between are not scored
+    accuracy = {0: 0.9, 1: 0.49, 3: 0.5, 5: 0.75}  # the steps between are not scored
     seen = []
     for step in run.steps():
         seen.append(step)
-        scored = {"eval_accuracy": accuracy[step]} if step in accuracy else {}
+        scored = {"eval_accuracy": accuracy[step], "eval_version": step + (step > 0)} if step in accuracy else {}
         run.end_step(step, {"completion_len_mean": 1.0, **scored}, True, save=lambda: None)
     assert seen == [0, 1, 2, 3] and run.stopped == "target"
     assert said[-1] == "eval_accuracy 0.500 reached --log.target-eval-accuracy=0.5; stopping"
