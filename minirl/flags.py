@@ -198,6 +198,10 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     for flag, why in getattr(cls, "REFUSED", {}).items():  # flags the command has retired or never had
         if any(a.startswith(flag) for a in argv):
             raise ConfigError(why)
+    for i, a in enumerate(argv[:-2]):  # TRL's reward_funcs is a list; tyro would say only "unrecognized"
+        if a == "--task.reward" and not argv[i + 2].startswith("-"):
+            raise ConfigError(f"--task.reward takes one function; repeat the flag for each: --task.reward "
+                              f"{argv[i + 1]} --task.reward {argv[i + 2]}")
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
         unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
