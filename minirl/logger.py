@@ -56,6 +56,10 @@ class RunLog:
                     f.write(run_id)
             self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config or {}, id=run_id,
                                      resume="allow")
+            # W&B drops what is logged below its newest step; a streamed run's late eval and a resumed run's
+            # steps come out of order, so its charts run on the records' own `step` instead
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self._file, kept = _history(os.path.join(run_dir, "metrics.jsonl"), start_step)
@@ -120,7 +124,7 @@ class RunLog:
                 self._tb.add_scalar(k, v, record.get("step", 0))
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(scalars, step=record.get("step", 0))
+            self._wandb.log({"step": record.get("step", 0), **scalars})
         if record.get("step", 0) % self.every == 0 or "eval_accuracy" in record:
             eta = None
             if self.total and self.step_times and "time/step" in record:
@@ -131,9 +135,8 @@ class RunLog:
             _append(self._samples, [json.dumps({"step": record["step"], "split": "train", **r}) + "\n" for r in trained])
             if self._wandb is not None:
                 import wandb
-                self._wandb.log({"train_samples": wandb.Table(columns=list(trained[0]),
-                                                              data=[list(map(str, r.values())) for r in trained])},
-                                step=record["step"])
+                self._wandb.log({"step": record["step"], "train_samples": wandb.Table(
+                    columns=list(trained[0]), data=[list(map(str, r.values())) for r in trained])})
         if shown:
             self._write_samples(record, shown)
 

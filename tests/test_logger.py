@@ -88,8 +88,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     """The W&B run id is kept in the run directory; a resume passes it back with resume="allow"."""
     import types
     inits = []
-    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None,
-                                                                                             finish=lambda: None))
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or types.SimpleNamespace(
+        log=lambda *a, **k: None, finish=lambda: None, define_metric=lambda *a, **k: None))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     RunLog(str(tmp_path), enabled=True, wandb_project="p").close()
     RunLog(str(tmp_path), enabled=True, wandb_project="p", start_step=5).close()
@@ -97,21 +97,25 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert [(kw["id"], kw["resume"]) for kw in inits] == [(first, "allow"), (first, "allow")]
 
 
-def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch):
+def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch, capfd):
     """The real `wandb` (the [wandb] extra; skipped where it is not installed), offline: a run starts,
-    logs its steps and finishes (the id helper it once used, wandb.util.generate_id, is gone)."""
+    logs its steps and finishes (the id helper it once used, wandb.util.generate_id, is gone). A record
+    below the newest step (a streamed run's late eval) is kept: W&B drops, with a warning, what is logged
+    at a step below its own newest."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # its warnings on the console
     log = RunLog(str(tmp_path), enabled=True, wandb_project="minirl-test")
     tables = []
     real_log = log._wandb.log
-    log._wandb.log = lambda data, step=None: (tables.extend(k for k in data if k == "train_samples"),
-                                              real_log(data, step=step))
+    log._wandb.log = lambda data, **kw: (tables.extend(k for k in data if k == "train_samples"), real_log(data, **kw))
     row = {"prompt": "q", "completion": "c", "reward": 1.0, "rewards": {"f": 1.0}, "clipped": False}
     for s in range(3):
         log.write({"step": s, "reward_mean": s / 10, "train_samples": [row] * 2})  # --log.train-samples 2
+    log.write({"step": 1, "eval_accuracy": 0.5, "eval_version": 1})  # late: the newest step is 2
     log.close()
+    said = capfd.readouterr()
+    assert "less than the current step" not in said.out + said.err
     assert (tmp_path / "wandb_run_id").read_text().strip() in str(list((tmp_path / "wandb").iterdir()))
     assert tables == ["train_samples"] * 3  # a W&B table a step, accepted by the real package
     rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
@@ -313,15 +317,19 @@ def test_a_resumed_run_whose_history_is_gone_starts_one_and_drops_a_line_cut_by_
     assert lines == [{"step": 0}, {"step": 1}, {"step": 3, "time/generate": 0.1235}]
 
 
-def test_the_sinks_get_every_number_but_the_step_at_its_step_and_a_fresh_run_a_new_wandb_run(tmp_path, monkeypatch):
+def test_the_sinks_get_every_number_at_its_step_and_a_fresh_run_a_new_wandb_run(tmp_path, monkeypatch):
+    """W&B's charts run on the record's `step` (define_metric), never on W&B's own step, which drops what
+    comes out of order."""
     import types
-    inits, logged = [], []
-    run = types.SimpleNamespace(log=lambda data, step: logged.append((data, step)), finish=lambda: None)
+    inits, logged, defined = [], [], []
+    run = types.SimpleNamespace(log=lambda data: logged.append(data), finish=lambda: None,
+                                define_metric=lambda *a, **kw: defined.append((*a, kw)))
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: inits.append(kw) or run))
     log = RunLog(str(tmp_path), enabled=True, wandb_project="p", config={"seed": 3})
     log.write({"step": 4, "reward_mean": 0.5, "optimizer_steps": 2, "note": "text", "eval_version": None})
     log.close()
-    assert logged == [({"reward_mean": 0.5, "optimizer_steps": 2.0}, 4)] and inits[0]["config"] == {"seed": 3}
+    assert logged == [{"step": 4, "reward_mean": 0.5, "optimizer_steps": 2.0}] and inits[0]["config"] == {"seed": 3}
+    assert defined == [("step", {}), ("*", {"step_metric": "step"})]
     first = inits[0]["id"]
     assert len(first) == 12 and first.isalnum() and first == first.lower()
     RunLog(str(tmp_path), enabled=True, wandb_project="p").close()  # --log.overwrite: not the old run's W&B run
