@@ -187,7 +187,8 @@ class Run:
                            "not evaluated" if accuracy is None else f"{accuracy:.4f}", "dtype": args.model.dtype})
         final = os.path.join(self.args.log.run_dir, "final")
         with self.log.phase("export", announce=f"exporting the policy to {final}"):
-            export_hf(policy, self.path, final, self.world.is_main, models.DTYPES[self.args.model.dtype], card)
+            export_hf(policy, self.path, final, self.world.is_main, models.DTYPES[self.args.model.dtype],
+                      {"README.md": card, RUN_CONFIG: json.dumps(args.to_dict(), indent=2)})
         dist.barrier()
 
 
@@ -195,13 +196,15 @@ class Run:
 
 SHARD_BYTES = 5 * 2**30  # like save_pretrained's default max_shard_size
 TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken")  # configs, vocabularies, chat templates
+RUN_CONFIG = "minirl_config.json"  # an export's run config: minirl-eval scores it on that run's task
 
 
 def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: bool,
-              dtype: torch.dtype | None = None, card: str | None = None) -> None:
+              dtype: torch.dtype | None = None, files: dict[str, str] | None = None) -> None:
     """Gather the full parameters (a collective) and, on rank 0, write `out_dir/` whole (under a temporary
     name, then renamed): the source's config, tokenizer and template files, the weights in `dtype` as
-    safetensors (sharded above SHARD_BYTES), and the model card. A failure leaves nothing written."""
+    safetensors (sharded above SHARD_BYTES), and `files` ({name: text}: the model card, the run's
+    config). A failure leaves nothing written."""
     checkpoint.require_finite({"policy": model})
     state = {}
     for name, t in dist.full_parameters(model, dtype):
@@ -212,7 +215,7 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(state, source_path, tmp, card)
+        _write_export(state, source_path, tmp, files or {})
     except BaseException as e:  # a full disk, a Ctrl-C: nothing half-written stays; an earlier export is whole
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -223,16 +226,16 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     os.rename(tmp, out_dir)
 
 
-def _write_export(state: dict, source_path: str, tmp: str, card: str | None) -> None:
+def _write_export(state: dict, source_path: str, tmp: str, files: dict[str, str]) -> None:
     os.makedirs(tmp)
-    for f in os.listdir(source_path):
-        if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f != "README.md":
+    for f in os.listdir(source_path):  # a source that is itself an export: not its card or run config
+        if f.endswith(TOKENIZER_FILES) and not f.endswith(".index.json") and f not in ("README.md", RUN_CONFIG):
             shutil.copyfile(os.path.join(source_path, f), os.path.join(tmp, f))  # contents, not the cache's modes
     # one model.safetensors, or shards of at most SHARD_BYTES with their index (as save_pretrained writes them)
     save_torch_state_dict(state, tmp, max_shard_size=SHARD_BYTES, metadata={"format": "pt"})
-    if card:
-        with open(os.path.join(tmp, "README.md"), "w") as f:
-            f.write(card)
+    for name, text in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
     for f in os.listdir(tmp):
         os.chmod(os.path.join(tmp, f), 0o644)
     os.chmod(tmp, 0o755)

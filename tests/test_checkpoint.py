@@ -341,7 +341,7 @@ def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, wo
     monkeypatch.setattr(minirl.run, "SHARD_BYTES", 200_000)
     policy = models.sharded(tiny_path, "policy", world, "float32")
     card = minirl.run.model_card("t", str(tiny_path), {"steps": 3})
-    minirl.run.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, card)
+    minirl.run.export_hf(policy, tiny_path, str(tmp_path / "final"), True, torch.bfloat16, {"README.md": card})
     files = sorted(os.listdir(tmp_path / "final"))
     shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files
@@ -538,7 +538,8 @@ def test_a_save_makes_its_data_durable_then_marks_renames_and_prunes_in_that_ord
 
 def test_an_export_holds_every_file_of_the_model_folder_in_the_dtype_asked(tmp_path, world, tiny_path):
     """A model folder with a chat template file (`.jinja`) and a generation config: each is in the export,
-    byte for byte, and the weights are written in --model.dtype (read back from the file's own header)."""
+    byte for byte, and the weights are written in --model.dtype (read back from the file's own header).
+    A source that is itself an export passes on neither its model card nor its run's config."""
     import shutil
 
     import minirl.run
@@ -546,9 +547,12 @@ def test_an_export_holds_every_file_of_the_model_folder_in_the_dtype_asked(tmp_p
     shutil.copytree(tiny_path, src)
     (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     (src / "generation_config.json").write_text('{"do_sample": false}')
+    for its_own in ("README.md", "minirl_config.json"):
+        (src / its_own).write_text("{}")
     policy = models.sharded(str(src), "policy", world, "float32")
     minirl.run.export_hf(policy, str(src), str(tmp_path / "out"), True, torch.bfloat16)
-    kept = {f for f in os.listdir(src) if not f.endswith(".safetensors")}
+    assert not {"README.md", "minirl_config.json"} & set(os.listdir(tmp_path / "out"))
+    kept = {f for f in os.listdir(src) if not f.endswith((".safetensors", ".md")) and f != "minirl_config.json"}
     assert {"chat_template.jinja", "generation_config.json"} <= kept <= set(os.listdir(tmp_path / "out"))
     assert all((tmp_path / "out" / f).read_bytes() == (src / f).read_bytes() for f in kept)
     with open(tmp_path / "out" / "model.safetensors", "rb") as f:

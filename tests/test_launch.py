@@ -156,7 +156,8 @@ def test_a_runs_config_json_reruns_that_run(finished, tmp_path):
 def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     """minirl-eval scores final/ and the last checkpoint alike, with the number the run itself
     logged for its last evaluation, and prints the completions that evaluation wrote to samples.jsonl;
-    minirl-export writes that checkpoint as final/ was written."""
+    minirl-export writes that checkpoint as final/ was written. Each export carries the run's config
+    (minirl_config.json), which minirl-eval reads for the run's task."""
     last = [r["eval_accuracy"] for r in map(json.loads, open(finished / "metrics.jsonl")) if "eval_accuracy" in r][-1]
     logged = [json.loads(line) for line in open(finished / "samples.jsonl")][-128:][:4]
     expected = [f"  sample: {r['prompt']!r} -> {r['completion']!r} (answer {r['answer']!r}, reward {r['reward']:.3g}"
@@ -181,6 +182,9 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()  # the model card the README promises
     assert "step_00000002 (exported)" in card and "| steps | 2 |" in card
     assert card.startswith("---\n") and str(tmp_path) not in card  # a hub metadata header, no absolute path
+    config = json.loads((finished / "config.json").read_text())
+    assert json.loads((finished / "final" / "minirl_config.json").read_text()) == config
+    assert json.loads((tmp_path / "out" / "minirl_config.json").read_text()) == config
 
 
 def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
@@ -597,8 +601,8 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
     """`minirl-eval --checkpoint <run>/checkpoints/step_N` (or `--checkpoint=`) takes the run's config.json
     as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
     explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more.
-    So does `--model.path <run>/final`, a run's export (it was scored on the built-in task); another
-    model folder reads nothing more."""
+    So does `--model.path` of a run's export, its final/ or minirl-export's, by the run config it carries
+    (minirl_config.json; it was scored on the built-in task); another model folder reads nothing more."""
     from minirl.tools.eval import EvalArgs, _with_run_config
     run_dir = tmp_path / "lr=1e-6"  # an `=` in the path, after --checkpoint= too
     ckpt = run_dir / "checkpoints" / "step_00000004"
@@ -611,8 +615,13 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
         args = launch.parse(EvalArgs, _with_run_config([*argv, "--seed", "3"]), "", lenient=True)
         assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint) == (
             3, 12, str(tmp_path / "model"), str(ckpt))
-    for argv in (["--model.path", str(run_dir / "final")], [f"--model.path={run_dir}/final/", "--seed", "3"]):
-        assert _with_run_config(argv) == ["--config", str(run_dir / "config.json"), *argv]
+    for export in (run_dir / "final", tmp_path / "exported"):
+        export.mkdir()
+        (export / "minirl_config.json").write_text(json.dumps(config))
+        for argv in (["--model.path", str(export)], [f"--model.path={export}/", "--seed", "3"]):
+            assert _with_run_config(argv) == ["--config", os.path.join(f"{export}/" if "=" in argv[0] else export,
+                                                                       "minirl_config.json"), *argv]
+    (tmp_path / "model").mkdir()
     for argv in (["--checkpoint", str(ckpt), "--config", "other.yaml"], [f"--config={tmp_path}/x.json",
                  "--checkpoint", str(ckpt)], ["--checkpoint", str(tmp_path / "elsewhere" / "step_1")],
                  ["--samples", "2", "--checkpoint"], ["--model.path", str(tmp_path / "model")],

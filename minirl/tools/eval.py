@@ -6,8 +6,8 @@ training, with the same greedy scorer and rewards the training loops use (tasks.
     minirl-eval --model.path Qwen/Qwen2.5-0.5B-Instruct --task.name jsonl --task.path data/gsm8k/train.jsonl \\
         --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 --model.dtype bfloat16
 
-A checkpoint's or a `final/` export's run config.json (in its run directory) gives the model, task
-and rollout flags, as `--config` would; flags given beside it win. Prints a few prompts with their completions
+A checkpoint's run config.json (in its run directory), or an export's `minirl_config.json`, gives the
+model, task and rollout flags, as `--config` would; flags given beside it win. Prints a few prompts with their completions
 (`--samples`), then `eval_accuracy <value> on <n> prompts`, and exits 0.
 """
 
@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> float:
 
 
 def _with_run_config(argv: list[str]) -> list[str]:
-    """`--checkpoint <run dir>/checkpoints/step_N` or `--model.path <run dir>/final` without `--config`:
-    read the run's config.json first (its task, not the built-in one)."""
+    """`--checkpoint <run dir>/checkpoints/step_N`, or `--model.path` of a run's export (its final/ or
+    minirl-export's), without `--config`: read the run's config first (its task, not the built-in one)."""
+    from minirl.run import RUN_CONFIG
     from minirl.tools.export import run_config_path
     if any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
@@ -89,8 +90,8 @@ def _with_run_config(argv: list[str]) -> list[str]:
         value = value or (argv[i + 1] if i + 1 < len(argv) else "")
         if flag == "--checkpoint" and value:
             run_config = run_config_path(value)
-        elif flag == "--model.path" and os.path.basename(os.path.normpath(value)) == "final":  # a run's export
-            run_config = os.path.join(os.path.dirname(os.path.abspath(value)), "config.json")
+        elif flag == "--model.path" and value:
+            run_config = os.path.join(value, RUN_CONFIG)
         else:
             continue
         if os.path.isfile(run_config):

@@ -90,7 +90,7 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
 
 def export(ckpt: str, out: str, model_path: str = "") -> str:
     from minirl import checkpoint, dist, models
-    from minirl.run import export_hf, model_card
+    from minirl.run import RUN_CONFIG, export_hf, model_card
     dist.init()
     cfg = run_model_config(ckpt, model_path)
     path = models.resolve_path(cfg)
@@ -99,7 +99,11 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
     where = os.path.join(*os.path.abspath(ckpt).split(os.sep)[-3:])  # <run>/checkpoints/step_N, not the whole path
     card = model_card(f"{os.path.basename(os.path.abspath(ckpt))} (exported)", cfg.path,
                       {"checkpoint": where, "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype})
-    export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], card=card)
+    files = {"README.md": card}
+    if os.path.isfile(run_config_path(ckpt)):  # the run's task and rewards, for minirl-eval
+        with open(run_config_path(ckpt)) as f:
+            files[RUN_CONFIG] = f.read()
+    export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], files=files)
     return out
 
 
