@@ -289,6 +289,12 @@ def _check_run(args) -> None:
         raise ConfigError(f"--rollout.gpu-memory-utilization={r.gpu_memory_utilization} must be in (0, 1]")
     if not args.log.run_dir.strip():
         raise ConfigError("--log.run-dir is empty; give a directory")
+    target = args.log.target_eval_accuracy
+    if not 0 <= target <= 1:
+        raise ConfigError(f"--log.target-eval-accuracy={target} must be in [0, 1] (0: run every step)")
+    if target and not args.log.eval_every:
+        raise ConfigError(f"--log.target-eval-accuracy={target} stops at an evaluation, and --log.eval-every 0 "
+                          "runs none: give --log.eval-every N")
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise ConfigError(f"--checkpoint.dir={args.checkpoint_dir!r} is a file; give a directory")
     _positive("--dry-run-card-gib", args.dry_run_card_gib)

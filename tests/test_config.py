@@ -221,6 +221,8 @@ BOUNDS = [
     (GRPOArgs, "rollout.gpu_memory_utilization", [1e-3, 1.0], [0.0, 1.01], 1, {}),
     (GRPOArgs, "rollout.min_tokens", [0, 8], [9], 1, {"rollout.max_tokens": 8}),
     (GRPOArgs, "log.every", [1], [0], 1, {}),
+    (GRPOArgs, "log.target_eval_accuracy", [0.0, 1.0], [-0.01, 1.01], 1, {}),
+    (GRPOArgs, "log.eval_every", [1], [0], 1, {"log.target_eval_accuracy": 0.5}),
     (GRPOArgs, "checkpoint.keep", [1], [0], 1, {}),
     (GRPOArgs, "dry_run_nnodes", [1], [0], 1, {}),
     (PPOArgs, "async_rl.min_groups_for_streaming_train", [1, 12], [0, 13], 2, {"ppo.num_prompts_per_step": 12}),
