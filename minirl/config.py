@@ -120,6 +120,20 @@ class TaskConfig:
     """Seconds one call of a reward function may take before the run stops, naming it (a judge or sandbox call
     that never returns); 0 = no limit. Either way, a call that has not returned for a minute is reported."""
 
+    def check(self) -> None:
+        """The task's files exist; one given to the built-in task (which reads none) is a forgotten --task.name."""
+        given = [flag for flag, v in (("--task.path", self.path), ("--task.eval-path", self.eval_path),
+                                      ("--task.answer-key", self.answer_key)) if v]
+        if self.name == "count" and given:
+            raise ConfigError(f"{given[0]} is for your own prompts, and --task.name is count, the built-in task, "
+                              "which reads no file: add --task.name jsonl")
+        if self.name == "jsonl" and not os.path.isfile(self.path):
+            raise ConfigError(f"--task.path={self.path!r} is not a file; give a JSONL or Parquet prompt file "
+                              "or use --task.name count")
+        if self.eval_path and not os.path.isfile(self.eval_path):
+            raise ConfigError(f"--task.eval-path={self.eval_path!r} is not a file; "
+                              "give a JSONL or Parquet file or leave it empty")
+
 
 @dataclass
 class GridConfig:
@@ -317,12 +331,7 @@ def _check_run(args) -> None:
         raise ConfigError(f"--rollout.top-p={r.top_p} must be in (0, 1]")
     if not 0 <= r.min_tokens <= r.max_tokens:
         raise ConfigError(f"--rollout.min-tokens={r.min_tokens} must be in [0, --rollout.max-tokens={r.max_tokens}]")
-    if args.task.name == "jsonl" and not os.path.isfile(args.task.path):
-        raise ConfigError(f"--task.path={args.task.path!r} is not a file; give a JSONL prompt file "
-                          "or use --task.name count")
-    if args.task.eval_path and not os.path.isfile(args.task.eval_path):
-        raise ConfigError(f"--task.eval-path={args.task.eval_path!r} is not a file; "
-                          "give a JSONL file or leave it empty")
+    args.task.check()
     _at_least("--checkpoint.keep", args.checkpoint.keep, 1)
     _at_least("--task.reward-timeout", args.task.reward_timeout, 0)
     if args.seed >= 2**32:

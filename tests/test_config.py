@@ -305,6 +305,20 @@ def test_files_the_flags_name_must_exist_and_an_existing_one_passes(tmp_path):
         _set(a, path, str(rows) if path != "checkpoint.resume" else str(tmp_path)).validate(1)
 
 
+@pytest.mark.parametrize("path", ["task.path", "task.eval_path", "task.answer_key"])
+def test_a_file_given_to_the_built_in_task_asks_for_task_name_jsonl(tmp_path, path):
+    """`--task.path rows.jsonl` without `--task.name jsonl` trained on the built-in counting task, silently."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "answer": "1"}\n')
+    a = _set(args(), path, str(rows))
+    a.log.run_dir = str(tmp_path / "run")
+    flag = "--" + path.replace("_", "-")
+    with pytest.raises(ConfigError, match=re.escape(f"{flag} is for your own prompts, and --task.name is count, the "
+                                                    "built-in task, which reads no file: add --task.name jsonl")):
+        a.validate(1)
+    _set(_set(a, "task.name", "jsonl"), "task.path", str(rows)).validate(1)
+
+
 @pytest.mark.parametrize("flag, module", [("log.tensorboard", "tensorboard"), ("log.wandb_project", "wandb")])
 def test_an_optional_sink_is_refused_only_where_its_package_is_missing(tmp_path, monkeypatch, flag, module):
     import importlib.util

@@ -629,6 +629,20 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
         assert _with_run_config(argv) == argv
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--task.path", "{rows}"], "--task.path is for your own prompts, and --task.name is count"),
+    (["--task.name", "jsonl", "--task.path", "{rows}x"], "--task.path='{rows}x' is not a file"),
+])
+def test_eval_of_a_task_file_it_cannot_read_is_refused_before_anything_is_built(tmp_path, monkeypatch, flags, says):
+    """It scored the built-in task when --task.name jsonl was left out, and a missing file was a traceback."""
+    from minirl.tools import eval as evaluate
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "answer": "1"}\n')
+    monkeypatch.setattr("minirl.dist.init", lambda *a, **k: pytest.fail("the world was set up"))
+    with pytest.raises(ConfigError, match=re.escape(says.format(rows=rows))):
+        evaluate.main([f.format(rows=rows) for f in flags])
+
+
 def test_eval_without_held_out_prompts_is_refused_before_the_engine(world, tiny_path, monkeypatch):
     """`minirl-eval` always scores: a task with no held-out prompts is refused naming the flags, before
     an engine is built (not `eval_accuracy 0.0000 on 0 prompts`)."""

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> float:
     from minirl.tasks import held_out, make_task
     argv = list(sys.argv[1:] if argv is None else argv)
     args = launch.parse(EvalArgs, _with_run_config(argv), __doc__, lenient=True)
+    args.task.check()
     if args.checkpoint:
         from minirl.tools.export import check_checkpoint
         check_checkpoint(args.checkpoint, "--checkpoint")
