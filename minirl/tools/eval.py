@@ -7,8 +7,8 @@ training, with the same greedy scorer and rewards the training loops use (tasks.
         --task.eval-path data/gsm8k/test.jsonl --task.eval-prompts 512 --model.dtype bfloat16
 
 A checkpoint's run config.json (in its run directory), or an export's `minirl_config.json`, gives the
-model, task and rollout flags, as `--config` would; flags given beside it win. Prints a few prompts with their completions
-(`--samples`), then `eval_accuracy <value> on <n> prompts`, and exits 0.
+model, task and rollout flags, as `--config` would; flags given beside it win. Prints a few prompts
+with their completions (`--samples`), then `eval_accuracy <value> on <n> prompts`, and exits 0.
 """
 
 from __future__ import annotations
