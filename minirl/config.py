@@ -95,9 +95,9 @@ class TaskConfig:
     name: Literal["count", "jsonl"] = "count"
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
-    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a .parquet file of such rows (for
-    --task.name jsonl). A prompt is text or chat messages [{"role": ..., "content": ...}] (rendered by
-    the model's chat template); the answer is a string or a number."""
+    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a JSON array or .parquet file of such
+    rows (for --task.name jsonl). A prompt is text or chat messages [{"role": ..., "content": ...}]
+    (rendered by the model's chat template); the answer is a string or a number."""
     answer_key: str = ""
     """The column holding the reference answer, dotted for a nested one (verl: reward_model.ground_truth);
     empty = the first of answer, solution and reward_model.ground_truth."""

@@ -141,7 +141,8 @@ class JsonlTask:
 
 
 def _records(path: str, flag: str):
-    """(where, row) for each row of a JSONL file, or of a Parquet file (by its name or its magic bytes)."""
+    """(where, row) for each row of a JSONL file, of a JSON array of rows (a `.json` file as `datasets` reads
+    it), or of a Parquet file (by its name or its magic bytes)."""
     with open(path, "rb") as f:
         parquet = path.endswith(".parquet") or f.read(4) == b"PAR1"
     if parquet:
@@ -160,6 +161,14 @@ def _records(path: str, flag: str):
         raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}): a JSONL file is UTF-8 "
                           "text, one JSON object a line (a Parquet file is read as one when its name ends in "
                           ".parquet)") from e
+    if "".join(lines).lstrip().startswith("["):  # one JSON array of rows
+        try:
+            rows = json.loads("".join(lines))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: {path}: not a JSON array of rows, nor JSONL ({e})") from e
+        for n, r in enumerate(rows, 1):
+            yield f"{flag}: {path}: row {n}", r
+        return
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:

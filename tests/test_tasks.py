@@ -87,6 +87,17 @@ def test_a_bad_jsonl_line_is_refused_naming_file_and_line(tmp_path, line, says):
         JsonlTask(str(f), seed=0, eval_prompts=0)
 
 
+@pytest.mark.parametrize("text, says", [
+    ('[{"prompt": "ab#a=", "answer": "1"},\n 5]', "row 2: expected an object"),
+    ('[{"prompt": "ab#a=", "answer": "1"},', "not a JSON array of rows, nor JSONL"),
+])
+def test_a_bad_json_array_is_refused_naming_the_file_and_row(tmp_path, text, says):
+    f = tmp_path / "train.json"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"--task\.path: {f}: {re.escape(says)}"):
+        JsonlTask(str(f), seed=0, eval_prompts=0)
+
+
 def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_path):
     from minirl.models import load_tokenizer
     f, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"

@@ -118,16 +118,19 @@ def test_a_verl_row_file_parquet_and_jsonl_with_verls_compute_score_runs_unchang
     assert all(r["reward_mean"] == r["reward/compute_score"] for r in recs)
 
 
-def test_parquet_and_jsonl_rows_load_alike_and_keep_every_column(chat_model, tmp_path):
+def test_parquet_json_and_jsonl_rows_load_alike_and_keep_every_column(chat_model, tmp_path):
+    """A `.json` file that is one JSON array of rows (as `datasets` reads it) too: it was "not JSON"."""
     import pyarrow
     import pyarrow.parquet
     rows = verl_rows(10, "train")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "rows.parquet")
     write_jsonl(tmp_path / "rows.jsonl", rows)
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2))
     tok = load_tokenizer(str(chat_model))
-    a, b = (make_task(TaskConfig(name="jsonl", path=str(tmp_path / f), eval_prompts=0), 0, tok, 32)
-            for f in ("rows.parquet", "rows.jsonl"))
-    assert [(p.prompt, p.answer, p.row) for p in a.rows] == [(p.prompt, p.answer, p.row) for p in b.rows]
+    a, b, c = (make_task(TaskConfig(name="jsonl", path=str(tmp_path / f), eval_prompts=0), 0, tok, 32)
+               for f in ("rows.parquet", "rows.jsonl", "rows.json"))
+    assert [(p.prompt, p.answer, p.row) for p in a.rows] == [(p.prompt, p.answer, p.row) for p in b.rows] \
+        == [(p.prompt, p.answer, p.row) for p in c.rows]
     assert a.rows[0].prompt.endswith("#a=") and a.rows[0].row["extra_info"]["split"] == "train"
 
 
