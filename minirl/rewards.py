@@ -4,7 +4,8 @@
 weighted by `--task.reward-weights`. Each is imported and called once on the first training row when
 the flags are checked, before any model is built; its form is read once from its parameters (`kind`):
 minirl's `f(completion, answer) -> float`, TRL's batched `f(completions, **columns) -> list[float |
-None]`, or verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`. The defaults:
+None]`, or verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`; TRL's and verl's
+may be `async def`. The defaults:
 `count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
 `gsm8k_flexible` (the last number anywhere).
 
@@ -17,9 +18,10 @@ after a minute, and a run whose first 10 batches earn 0 on every row is warned a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import importlib.util
-import contextlib
 import inspect
 import math
 import os
@@ -250,11 +252,13 @@ class Scorer:
 
 
 def _call(fn, **kwargs):
-    """fn with the keywords it takes (all of them to a **kwargs)."""
+    """fn with the keywords it takes (all of them to a **kwargs); an `async def` one run to its result, as
+    TRL runs one (a judge that awaits a server)."""
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(**kwargs)
+    out = fn(**kwargs)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
 def _reward(value) -> float:

@@ -166,6 +166,17 @@ def trl_prompts(completions, prompts, **kwargs):
     return [float(len(p)) for p in prompts]
 
 
+async def trl_judge(completions, answer, **kwargs):
+    """TRL runs an `async def` reward function (a judge that awaits a server) to its result."""
+    import asyncio
+    await asyncio.sleep(0)
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+async def verl_async(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+
+
 def verl_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": float(solution_str == ground_truth), "extra": data_source}
 
@@ -229,6 +240,15 @@ def test_the_built_in_tasks_rows_give_a_trl_function_its_prompts_and_answer_colu
     total, parts = task.scorer([q.answer for q in rows], [q.answer for q in rows], [False] * 3, [q.row for q in rows])
     assert parts[1] == [float(len(q.prompt)) for q in rows]
     assert all(v == 1.0 or math.isnan(v) for v in parts[0]) and any(v == 1.0 for v in parts[0])
+
+
+def test_an_async_reward_function_is_run_to_its_result(forms):
+    """It returned a coroutine, "not a list of 2 floats" (TRL awaits one: inspect.iscoroutinefunction)."""
+    s = Scorer(["userpkg.scores:trl_judge", "userpkg.scores:verl_async"], [])
+    assert s.kinds == ["trl", "verl"]
+    rows = [{"prompt": "q", "answer": a} for a in ("3", "4")]
+    total, parts = s(["3", "5"], ["3", "4"], [False, False], rows)
+    assert parts == [[1.0, 0.0], [1.0, 0.0]] and total == [2.0, 0.0]
 
 
 def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read(forms):
