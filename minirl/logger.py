@@ -217,8 +217,9 @@ def engine_log(log_cfg, rank: int, several: bool) -> str | None:
 
 def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], clipped: list[bool],
                    parts: dict | None = None) -> dict:
-    """The step's samples over every rank (a collective): reward mean and std, each function's mean, the
-    share of groups without signal, completion lengths, the share cut at --rollout.max-tokens."""
+    """The step's samples over every rank (a collective): reward mean and std, each function's mean over the
+    rows it scores (None: it scored none), the share of groups without signal, completion lengths, the share
+    cut at --rollout.max-tokens."""
     r = rewards.double().view(-1, group_size)                                        # (groups, G)
     parts = {name: torch.as_tensor(v, dtype=torch.float64) for name, v in (parts or {}).items()}
     applies = [(~v.isnan()).sum() for v in parts.values()]  # a TRL reward's None (NaN) is left out of its mean
@@ -230,7 +231,7 @@ def sample_metrics(rewards: torch.Tensor, group_size: int, lengths: list[int], c
     mean = total / n
     k = len(parts)
     return {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
-            **{f"reward/{name}": s / max(c, 1) for name, s, c in zip(parts, sums[:k], sums[k:])},
+            **{f"reward/{name}": s / c if c else None for name, s, c in zip(parts, sums[:k], sums[k:])},
             "frac_reward_zero_std": flat_groups / groups, "completion_len_mean": tokens / n,
             "completion_len_min": -far[1], "completion_len_max": far[0], "completion_clip_ratio": cut / n}
 
@@ -245,7 +246,8 @@ def training_rows(tok, prompts: list, completions: list, rewards, parts: dict, c
     asked = tok.batch_decode([list(map(int, c)) for c in prompts[:n]], skip_special_tokens=False)
     said = tok.batch_decode([list(map(int, c)) for c in completions[:n]], skip_special_tokens=True)
     return [{"prompt": asked[i], "completion": said[i], "reward": float(rewards[i]),
-             "rewards": {k: float(v[i]) for k, v in parts.items()}, "clipped": bool(clipped[i])} for i in range(n)]
+             "rewards": {k: float(v[i]) if v[i] == v[i] else None for k, v in parts.items()},  # NaN: TRL's None
+             "clipped": bool(clipped[i])} for i in range(n)]
 
 
 def memory_peak_gib(device: torch.device, over_ranks: bool = True) -> float:

@@ -179,13 +179,14 @@ def test_samples_are_on_disk_as_each_step_writes_them_not_at_close(tmp_path):
 
 def test_sample_metrics_are_the_hand_computed_ones():
     """Three groups of two: rewards [2, 2 | 0, 4 | 1, 3]. The std is the population one; a group whose
-    rewards are all equal has no signal; a function's None (NaN) is left out of its mean."""
+    rewards are all equal has no signal; a function's None (NaN) is left out of its mean, and a function
+    that scored no row has no mean (it was 0)."""
     import torch
     from minirl.logger import sample_metrics
     r = sample_metrics(torch.tensor([2.0, 2.0, 0.0, 4.0, 1.0, 3.0]), 2, [3, 5, 2, 10, 4, 6], [False] * 5 + [True],
-                       {"f": [1.0] + [float("nan")] * 5, "g": [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]})
+                       {"f": [1.0] + [float("nan")] * 5, "g": [0.0, 1.0, 1.0, 0.0, 1.0, 1.0], "h": [float("nan")] * 6})
     assert r == {"reward_mean": 2.0, "reward_std": pytest.approx((10 / 6) ** 0.5), "reward/f": 1.0,
-                 "reward/g": pytest.approx(4 / 6), "frac_reward_zero_std": pytest.approx(1 / 3),
+                 "reward/g": pytest.approx(4 / 6), "reward/h": None, "frac_reward_zero_std": pytest.approx(1 / 3),
                  "completion_len_mean": 5.0, "completion_len_min": 2.0, "completion_len_max": 10.0,
                  "completion_clip_ratio": pytest.approx(1 / 6)}
     assert sample_metrics(torch.tensor([0.0, 1.0]), 2, [1, 1], [False, False])["reward_std"] == 0.5  # below 1 too
@@ -199,10 +200,11 @@ def test_training_rows_decode_the_first_n_rollouts_with_their_rewards():
             return ["".join(chr(96 + t) for t in row if not (skip_special_tokens and t == 1)) for row in rows]
 
     from minirl.logger import training_rows
-    rows = training_rows(Tok(), [[1, 2], [2], [3]], [[4, 5, 1], [6], [7]], [0.5, 1.0, 0.0], {"f": [1, 0, 0]},
-                         [True, False, False], 2)
-    assert rows == [{"prompt": "ab", "completion": "de", "reward": 0.5, "rewards": {"f": 1.0}, "clipped": True},
-                    {"prompt": "b", "completion": "f", "reward": 1.0, "rewards": {"f": 0.0}, "clipped": False}]
+    rows = training_rows(Tok(), [[1, 2], [2], [3]], [[4, 5, 1], [6], [7]], [0.5, 1.0, 0.0],
+                         {"f": [1, 0, 0], "g": [float("nan")] * 3}, [True, False, False], 2)
+    assert rows == [{"prompt": "ab", "completion": "de", "reward": 0.5, "rewards": {"f": 1.0, "g": None}, "clipped": True},
+                    {"prompt": "b", "completion": "f", "reward": 1.0, "rewards": {"f": 0.0, "g": None}, "clipped": False}]
+    assert "NaN" not in json.dumps(rows)  # TRL's None as JSON's null: samples.jsonl stays JSON
     assert training_rows(Tok(), [[1]], [[2]], [1.0], {}, [False], 0) == []
 
 

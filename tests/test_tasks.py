@@ -197,6 +197,12 @@ def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_an
     out = held_out(Engine(), task, tok, 32)
     assert out["eval_accuracy"] == 3 / 8
     assert [r["reward"] for r in out["eval_samples"]] == [1.5] * 3 + [0.5] * 5
+    # a TRL function first that scores none of the last two prompts (its None; TRL's accuracy_reward gives one
+    # for a reference it cannot parse): its mean over the six it scores (it was NaN)
+    (tmp_path / "trl.py").write_text("def some(completions, answer, **kw):\n"
+                                     "    return [float(c == a) for c, a in zip(completions, answer)][:6] + [None] * 2\n")
+    task.scorer = Scorer(["trl.py:some"], [])
+    assert held_out(Engine(), task, tok, 32)["eval_accuracy"] == 3 / 6
 
 
 # ---- what tasks.py's mutation run asked for ----
