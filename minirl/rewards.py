@@ -117,7 +117,11 @@ def load(spec: str) -> Callable:
     """The callable `spec` names (`module:function`, `pkg.module.function`, `path/file.py:function`),
     imported with the working directory on the path; a ConfigError says what is wrong."""
     module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    if not module or not name:
+    # TRL also takes a reward model by its hub name
+    if ":" not in spec and not spec.endswith(".py") and re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        raise ConfigError(f"--task.reward={spec!r} names a model, not a function: minirl runs reward functions; "
+                          "score with the model inside a function of your own (module:function)")
+    if not module or not name or spec.endswith(".py"):
         raise ConfigError(f"--task.reward={spec!r}: give module:function, e.g. minirl.rewards:gsm8k (or "
                           "pkg.module.function, or path/to/file.py:function)")
     if os.getcwd() not in sys.path:  # console scripts do not put it there; `python -m` does

@@ -126,6 +126,8 @@ def test_plugged_in_rewards_are_weighted_and_each_has_its_own_mean(plug):
 
 @pytest.mark.parametrize("cfg, says", [
     (TaskConfig(reward=["myrewards"]), "give module:function"),
+    (TaskConfig(reward=["Qwen/Qwen2.5-Math-RM-72B"]), "names a model, not a function"),  # TRL's reward model id
+    (TaskConfig(reward=["rewards/mine.py"]), "give module:function"),
     (TaskConfig(reward=["nosuchmodule_xyz:f"]), "cannot import nosuchmodule_xyz"),
     (TaskConfig(reward=["myrewards:missing"]), "has no missing"),
     (TaskConfig(reward=["myrewards:NOT_A_FUNCTION"]), "is not a function"),
