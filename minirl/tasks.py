@@ -161,9 +161,10 @@ def _records(path: str, flag: str):
         raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}): a JSONL file is UTF-8 "
                           "text, one JSON object a line (a Parquet file is read as one when its name ends in "
                           ".parquet)") from e
-    if "".join(lines).lstrip().startswith("["):  # one JSON array of rows
+    text = "".join(lines)
+    if text.lstrip().startswith("["):  # one JSON array of rows
         try:
-            rows = json.loads("".join(lines))
+            rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{flag}: {path}: not a JSON array of rows, nor JSONL ({e})") from e
         for n, r in enumerate(rows, 1):
