@@ -99,9 +99,9 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
     where = os.path.join(*os.path.abspath(ckpt).split(os.sep)[-3:])  # <run>/checkpoints/step_N, not the whole path
     card = model_card(f"{os.path.basename(os.path.abspath(ckpt))} (exported)", cfg.path,
                       {"checkpoint": where, "steps": checkpoint.steps_done(ckpt), "dtype": cfg.dtype})
-    files = {"README.md": card}
-    if os.path.isfile(run_config_path(ckpt)):  # the run's task and rewards, for minirl-eval
-        with open(run_config_path(ckpt)) as f:
+    files, run_config = {"README.md": card}, run_config_path(ckpt)
+    if os.path.isfile(run_config):  # the run's task and rewards, for minirl-eval
+        with open(run_config) as f:
             files[RUN_CONFIG] = f.read()
     export_hf(policy, path, out, is_main=True, dtype=models.DTYPES[cfg.dtype], files=files)
     return out
