@@ -18,7 +18,7 @@ from minirl.config import (CheckpointConfig, ConfigError, GridConfig, Launch, Lo
 @dataclass
 class RLConfig(OptimConfig):
     group_size: int = 8
-    """Samples per prompt (G); advantages are taken within each group."""
+    """Samples per prompt (G, at least 2); advantages are taken within each group."""
     batch_per_replica: int = 32
     """Trajectories per collected batch per policy replica; a positive multiple of group_size."""
     mini_batch_per_replica: int = 0
@@ -93,7 +93,9 @@ class GRPOFlags:
         rl = self.rl
         _check_numbers(self)  # every count >= 0 and every float finite, first
         _positive("--steps", self.steps)
-        _positive("--rl.group-size", rl.group_size)
+        if rl.group_size < 2:  # a group of one is its own mean: every advantage 0, nothing learned
+            raise ConfigError(f"--rl.group-size={rl.group_size} must be >= 2: GRPO's baseline is the group's mean "
+                              "reward (for one sample per prompt, use minirl.ppo and its critic)")
         _positive("--rollout.max-tokens", self.rollout.max_tokens)
         if rl.batch_per_replica <= 0 or rl.batch_per_replica % rl.group_size:
             raise ConfigError(

@@ -207,7 +207,8 @@ def test_the_specs_defaults():
 BOUNDS = [
     (GRPOArgs, "steps", [1], [0], 1, {}),
     (GRPOArgs, "seed", [0, 2**32 - 1], [2**32], 1, {}),
-    (GRPOArgs, "rl.batch_per_replica", [1], [0], 1, {"rl.group_size": 1}),
+    (GRPOArgs, "rl.group_size", [2], [0, 1], 1, {"rl.batch_per_replica": 32}),
+    (GRPOArgs, "rl.batch_per_replica", [2], [0, 1], 1, {"rl.group_size": 2}),
     (GRPOArgs, "rl.mu_iterations", [1], [0], 1, {}),
     (GRPOArgs, "rl.lr", [1e-12], [0.0], 1, {}),
     (GRPOArgs, "rl.clip_eps", [1e-6], [0.0], 1, {}),
