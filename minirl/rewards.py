@@ -243,15 +243,19 @@ class Scorer:
             raise ConfigError(f"--task.reward {spec} failed on an empty completion and the first training row: {why}"
                               ) from None
 
-    def watch(self, rewards: list[float], texts: list[str], answers: list[str]) -> None:
+    def watch(self, rewards: list[float], texts: list[str], answers: list[str], clipped: list[bool]) -> None:
         """Say once if every reward of the first 10 training batches was 0: a function that never pays
-        (a wrong signature, a format the model does not write) looks like a run that does not learn."""
+        (a wrong signature, a format the model does not write) or completions the cap cuts (each earns 0)
+        look like a run that does not learn."""
         if self.zero_batches < 0:
             return
         self.zero_batches = -1 if any(rewards) else self.zero_batches + 1
         if self.zero_batches == 10:
+            why = (f"{sum(clipped)} of this batch's {len(clipped)} completions were cut at --rollout.max-tokens, "
+                   "and a cut one earns 0: raise the flag" if sum(clipped) * 2 > len(clipped) else
+                   "Check the function and the format")
             self.say(f"warning: every reward of the first 10 steps' batches was 0 ({', '.join(self.specs)}); e.g. "
-                     f"{texts[0][:200]!r} against the answer {answers[0]!r}. Check the function and the format")
+                     f"{texts[0][:200]!r} against the answer {answers[0]!r}. {why}")
             self.zero_batches = -1
 
 

@@ -258,7 +258,7 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
     answers = [q.answer for q in rows]
     rewards, parts = task.scorer(texts, answers, samples.clipped, [q.row for q in rows], samples.completion_tokens)
     if not greedy:  # training batches: a function that never pays is said once
-        task.scorer.watch(rewards, texts, answers)
+        task.scorer.watch(rewards, texts, answers, samples.clipped)
     samples.texts = texts
     return samples, rewards, parts
 

@@ -303,18 +303,30 @@ def test_a_reward_that_never_pays_is_warned_about_once_after_ten_batches(forms):
     said = []
     s.say = said.append
     for _ in range(9):
-        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
+        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
     assert said == []  # nine all-zero batches: not yet
-    s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
+    s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
     assert len(said) == 1 and "first 10 steps" in said[0] and "'7' against the answer '3'" in said[0]  # the tenth
+    assert "the format" in said[0] and "--rollout.max-tokens" not in said[0]
     for _ in range(15):
-        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"]])
+        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
     assert len(said) == 1  # once
     paid = Scorer(["minirl.rewards:count"], [])
     paid.say = said.append
     for r in ([0.0], [1.0]) + ([0.0],) * 12:
-        paid.watch(r, ["x"], ["3"])
+        paid.watch(r, ["x"], ["3"], [False])
     assert len(said) == 1  # a run that paid once is never warned
+
+
+def test_a_run_whose_completions_the_cap_cuts_is_told_to_raise_the_cap():
+    """The right answer cut at the cap earns 0 from every function: the warning names the flag, not the format."""
+    s = Scorer(["minirl.rewards:count"], [])
+    said = []
+    s.say = said.append
+    for _ in range(10):
+        rewards, _ = s(["3", "3", "2"], ["3"] * 3, [True, True, False])
+        s.watch(rewards, ["3"] * 3, ["3"] * 3, [True, True, False])
+    assert len(said) == 1 and "2 of this batch's 3 completions were cut at --rollout.max-tokens" in said[0]
 
 
 def test_two_functions_of_one_name_are_logged_by_their_full_names(tmp_path):
