@@ -198,10 +198,12 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     for flag, why in getattr(cls, "REFUSED", {}).items():  # flags the command has retired or never had
         if any(a.startswith(flag) for a in argv):
             raise ConfigError(why)
-    for i, a in enumerate(argv[:-2]):  # TRL's reward_funcs is a list; tyro would say only "unrecognized"
-        if a == "--task.reward" and not argv[i + 2].startswith("-"):
+    for i, a in enumerate(argv):  # TRL's reward_funcs is a list; tyro would say only "unrecognized"
+        flag, eq, value = a.partition("=")
+        given = ([value] if eq else []) + argv[i + 1:i + 3]  # the flag's value, then what follows it
+        if flag == "--task.reward" and len(given) > 1 and not given[1].startswith("-"):
             raise ConfigError(f"--task.reward takes one function; repeat the flag for each: --task.reward "
-                              f"{argv[i + 1]} --task.reward {argv[i + 2]}")
+                              f"{given[0]} --task.reward {given[1]}")
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
         unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known

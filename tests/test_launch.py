@@ -272,6 +272,7 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
     (["--rl.beta", "0.1"], "did you mean --rl.kl-coef"),
     (["--task.reward", "a:f", "b:g", "--steps", "2"], "--task.reward takes one function; repeat the flag for each: "
                                                       "--task.reward a:f --task.reward b:g"),
+    (["--task.reward=a:f", "b:g"], "repeat the flag for each: --task.reward a:f --task.reward b:g"),
 ])
 def test_trl_and_verl_names_get_minirls_flag(argv, says):
     from minirl.config_grpo import GRPOArgs
