@@ -266,15 +266,17 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
 def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> dict:
     """Greedy completions of the held-out prompts scored by the training reward: `eval_accuracy` (the first
     function's mean over the prompts it scores: a TRL function's None scores none) and `eval_samples`
-    (rank 0). With world > 1 a collective over the ranks' slices."""
+    (rank 0; each row with every function's value, None where it scored none). With world > 1 a
+    collective over the ranks' slices."""
 
     share = task.eval_set[rank::world]
     rows, scores_first = [], []
     if share:
         out, scores, parts = scored(engine, task, tok, share, list(range(len(share))), 1, limit, greedy=True)
         scores_first = [v for v in parts[0] if v == v]  # None is NaN here
-        rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c}
-                for p, t, r, c in zip(share, out.texts, scores, out.clipped)]
+        rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c,
+                 "rewards": {k: v[i] if v[i] == v[i] else None for k, v in zip(task.scorer.names, parts)}}
+                for i, (p, t, r, c) in enumerate(zip(share, out.texts, scores, out.clipped))]
     tot = torch.tensor([float(sum(scores_first)), float(len(scores_first))])
     if world > 1:
         dist.all_reduce(tot)

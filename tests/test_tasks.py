@@ -201,8 +201,11 @@ def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_an
     # for a reference it cannot parse): its mean over the six it scores (it was NaN)
     (tmp_path / "trl.py").write_text("def some(completions, answer, **kw):\n"
                                      "    return [float(c == a) for c, a in zip(completions, answer)][:6] + [None] * 2\n")
+    assert [r["rewards"] for r in out["eval_samples"]][2:4] == [{"count": 1.0, "one": 1.0},
+                                                                 {"count": 0.0, "one": 1.0}]
     task.scorer = Scorer(["trl.py:some"], [])
-    assert held_out(Engine(), task, tok, 32)["eval_accuracy"] == 3 / 6
+    out = held_out(Engine(), task, tok, 32)
+    assert out["eval_accuracy"] == 3 / 6 and [r["rewards"]["some"] for r in out["eval_samples"]][5:] == [0.0, None, None]
 
 
 # ---- what tasks.py's mutation run asked for ----

@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> float:
             engine.close()
     for row in scored["eval_samples"][:args.samples]:
         print(sample_line(row))
-    accuracy = scored["eval_accuracy"]
-    print(f"eval_accuracy {accuracy:.4f} on {len(task.eval_set)} prompts", flush=True)
+    accuracy, first = scored["eval_accuracy"], task.scorer.names[0]
+    counted = sum(row["rewards"][first] is not None for row in scored["eval_samples"])  # a TRL None counts none
+    print(f"eval_accuracy {accuracy:.4f} on {counted} prompts", flush=True)
     return accuracy
 
 
