@@ -72,7 +72,7 @@ def train(ready: launch.Ready) -> dict:
                     lambda: {"optimizer_steps": acc.steps, "skipped": acc.skipped, "probe_done": probe.done})
 
     def evaluate(version: int) -> dict:  # greedy accuracy on the held-out prompts (a collective over the ranks)
-        return {**held_out(engine, task, tok, limit, world.rank, dp), "eval_version": version}
+        return {**held_out(engine, task, tok, limit, world.rank, dp, version), "eval_version": version}
 
     with run.guard(handoff.cleanup, engine.close):  # TRY NOT TO MODIFY: the error raised is the one that stopped it
         if run.resume:  # B25: the engine sleeps before the trainer loads; the restored policy is published first
@@ -89,7 +89,7 @@ def train(ready: launch.Ready) -> dict:
             mine = sorted({keys[i][0] for i in dp_partition(keys, world.rank, dp)})
             with run.phase("generate"):
                 samples, rewards, parts = scored(engine, task, tok, [task.train_problem(p) for p in mine], mine, G,
-                                                 limit)
+                                                 limit, step=step)
             # ---- score: group advantages, then this rank's rows as (mini, micro) chunks ----
             with run.phase("score"):
                 rewards = torch.tensor(rewards)                                   # (B_r,)

@@ -70,7 +70,7 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     check_model(path, args.rollout, args.rollout.max_model_len, head_dim_flag="--model.tiny.num-heads")
     ready.tok = models.load_tokenizer(path)
     ready.task = tasks.make_task(args.task, args.seed, ready.tok, args.rollout.max_prompt_tokens,
-                                 evaluates=bool(args.log.eval_every))  # every prompt and reward function
+                                 bool(args.log.eval_every), args.steps)  # every prompt and reward function
     disaggregated = args.grid.gpu_placement == "disaggregated"
     train_ranks = world_size - (args.grid.rollout_ranks if disaggregated else 0)
     owner = identity(args.log.run_dir)

@@ -189,7 +189,8 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
 
         def evaluate(version: int) -> None:  # global rank 0 scores the run's eval versions
             if roles.global_rank == 0 and args.log.evaluates(version, args.steps) and version not in posted:
-                put(store, f"eval/{version}", json.dumps(held_out(engine, task, tok, limit)).encode())  # never unpickled
+                scores = held_out(engine, task, tok, limit, version=version)
+                put(store, f"eval/{version}", json.dumps(scores).encode())  # never unpickled
                 posted.add(version)
 
         if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
@@ -359,7 +360,7 @@ class EngineGroups:
         if not self.args.log.evaluates(version, self.args.steps):
             return {}
         return {**held_out(self.engine, self.task, self.tok, self.args.rollout.max_prompt_tokens, self.world.rank,
-                           self.world.world_size), "eval_version": version}
+                           self.world.world_size, version), "eval_version": version}
 
     def final_eval(self, steps: int) -> dict:
         return {}  # `evals` scored the last version already
@@ -389,7 +390,7 @@ def _generate(engine: Engine, task, tok, indices: list[int], step: int, args: PP
     P, G = args.ppo.num_prompts_per_step, args.ppo.num_generations_per_prompt
     pids = [prompt_id(0, step * P + i) for i in indices]
     s, rewards, parts = scored(engine, task, tok, [task.train_problem(p) for p in pids], pids, G,
-                               args.rollout.max_prompt_tokens)
+                               args.rollout.max_prompt_tokens, step=step)
     for j, i in enumerate(indices):
         rows = slice(j * G, (j + 1) * G)
         yield i, as_group(s, rows, rewards[rows], [p[rows] for p in parts], version)

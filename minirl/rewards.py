@@ -9,9 +9,10 @@ may be `async def`. The defaults:
 `count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
 `gsm8k_flexible` (the last number anywhere).
 
-`Scorer` applies them to a batch, keeping each function's values (`reward/<name>`), and one rule on
-top: a completion cut at the token cap earns 0 (otherwise padding to the cap after the answer wins
-the built-in task). A function that raises, exits, returns a non-finite number or outlives
+`Scorer` applies them to a batch, keeping each function's values (`reward/<name>`); a TRL function
+also gets `trainer_state` (transformers' TrainerState: `global_step` the loop step, `max_steps` --steps),
+as a curriculum reads it. One rule on top: a completion cut at the token cap earns 0 (otherwise padding
+to the cap after the answer wins the built-in task). A function that raises, exits, returns a non-finite number or outlives
 `--task.reward-timeout` ends the run with one line naming it (`RewardError`); a silent one is reported
 after a minute, and a run whose first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
 """
@@ -84,7 +85,8 @@ BUILT_IN = {"count": "minirl.rewards:count", "strict": "minirl.rewards:gsm8k",
 
 FORMS = {  # how each kind of reward function is called, as the errors describe it
     "minirl": "f(completion: str, answer: str) -> float",
-    "trl": "TRL's f(completions, prompts=..., completion_ids=..., **columns) -> list[float | None]",
+    "trl": "TRL's f(completions, prompts=..., completion_ids=..., trainer_state=..., **columns) -> "
+           "list[float | None]",
     "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float or "
             "{'score': float, ...}"}
 
@@ -159,7 +161,7 @@ def kind(fn: Callable) -> str:
 class Scorer:
     """The run's reward functions with their weights (`specs`, `weights` as the flags give them)."""
 
-    def __init__(self, specs: list[str], weights: list[float], timeout: float = 0.0):
+    def __init__(self, specs: list[str], weights: list[float], timeout: float = 0.0, steps: int = 0):
         if weights and len(weights) != len(specs):
             raise ConfigError(f"--task.reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s) "
                               "(--task.reward); give one weight per function")
@@ -172,17 +174,19 @@ class Scorer:
         self.names = [n if short.count(n) == 1 else s for n, s in zip(short, specs)]  # reward/<name>
         self.say, self.zero_batches = print, 0  # the run's console (run.Run sets it); all-zero batches so far
         self.timeout = timeout  # --task.reward-timeout: seconds a call may take (0: no limit)
+        self.steps = steps  # --steps: TRL's trainer_state.max_steps
 
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
-                 completion_ids: list | None = None) -> tuple[list, list[list]]:
-        """Rewards of a batch (the weighted sum) and each function's own values ([function][row]); a row the
-        cap cut earns 0. A TRL function's None is NaN in its values and adds nothing to the sum."""
+                 completion_ids: list | None = None, step: int = 0) -> tuple[list, list[list]]:
+        """Rewards of a batch sampled at loop `step` (the weighted sum) and each function's own values
+        ([function][row]); a row the cap cut earns 0. A TRL function's None is NaN in its values and adds
+        nothing to the sum."""
         rows = rows or [{} for _ in texts]
-        parts = [[0.0 if cut else v for v, cut in zip(self._values(i, texts, answers, rows, completion_ids), clipped)]
-                 for i in range(len(self.fns))]
+        parts = [[0.0 if cut else v for v, cut in zip(self._values(i, texts, answers, rows, completion_ids, step),
+                                                      clipped)] for i in range(len(self.fns))]
         return [sum(w * v for w, v in zip(self.weights, col) if v == v) for col in zip(*parts)], parts
 
-    def _values(self, i: int, texts, answers, rows, completion_ids) -> list[float]:
+    def _values(self, i: int, texts, answers, rows, completion_ids, step: int) -> list[float]:
         fn, form = self.fns[i], self.kinds[i]
         on = [f"the completion {texts[0][:200]!r}" + (" (the first of the batch)" if len(texts) > 1 else "")]
         try:
@@ -190,9 +194,11 @@ class Scorer:
                 if form == "trl":
                     chat = [isinstance(r.get("prompt"), list) for r in rows]
                     columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r if k != "prompt"}
+                    from transformers import TrainerState  # 2 s to import: only for a TRL function
                     got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
                                 completions=[[{"role": "assistant", "content": t}] if c else t
-                                             for t, c in zip(texts, chat)], **columns)
+                                             for t, c in zip(texts, chat)],
+                                trainer_state=TrainerState(global_step=step, max_steps=self.steps), **columns)
                     if not isinstance(got, (list, tuple)) or len(got) != len(texts):
                         raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
                     return [math.nan if v is None else _reward(v) for v in got]
@@ -284,7 +290,7 @@ def _shown(value) -> str:
     return f"{type(value).__name__} {str(value)[:60]!r}"
 
 
-def scorer(cfg) -> Scorer:
-    """The Scorer of the --task.* flags: --task.reward, or the task's built-in."""
+def scorer(cfg, steps: int = 0) -> Scorer:
+    """The Scorer of the --task.* flags (--task.reward, or the task's built-in) for a run of `steps`."""
     specs = cfg.reward or [BUILT_IN["count" if cfg.name == "count" else cfg.answer_format]]
-    return Scorer(specs, cfg.reward_weights, cfg.reward_timeout)
+    return Scorer(specs, cfg.reward_weights, cfg.reward_timeout, steps)

@@ -248,22 +248,23 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
 
 
 def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_size: int, limit: int,
-           greedy: bool = False):
-    """Prompts -> completions -> rewards, for both loops and the evals: (samples, rewards [row], each
-    function's values [function][row]); row i*G + j is completion j of problem i."""
+           greedy: bool = False, step: int = 0):
+    """Prompts -> completions -> rewards, for both loops and the evals, at loop `step` (the policy's version):
+    (samples, rewards [row], each function's values [function][row]); row i*G + j is completion j of problem i."""
     prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
     samples = engine.generate(prompts, ids, group_size, greedy=greedy)
     texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
     rows = [q for q in problems for _ in range(group_size)]
     answers = [q.answer for q in rows]
-    rewards, parts = task.scorer(texts, answers, samples.clipped, [q.row for q in rows], samples.completion_tokens)
+    rewards, parts = task.scorer(texts, answers, samples.clipped, [q.row for q in rows], samples.completion_tokens,
+                                 step)
     if not greedy:  # training batches: a function that never pays is said once
         task.scorer.watch(rewards, texts, answers, samples.clipped)
     samples.texts = texts
     return samples, rewards, parts
 
 
-def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> dict:
+def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1, version: int = 0) -> dict:
     """Greedy completions of the held-out prompts scored by the training reward: `eval_accuracy` (the first
     function's mean over the prompts it scores: a TRL function's None scores none) and `eval_samples`
     (rank 0; each row with every function's value, None where it scored none). With world > 1 a
@@ -272,7 +273,7 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
     share = task.eval_set[rank::world]
     rows, scores_first = [], []
     if share:
-        out, scores, parts = scored(engine, task, tok, share, list(range(len(share))), 1, limit, greedy=True)
+        out, scores, parts = scored(engine, task, tok, share, list(range(len(share))), 1, limit, True, version)
         scores_first = [v for v in parts[0] if v == v]  # None is NaN here
         rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c,
                  "rewards": {k: v[i] if v[i] == v[i] else None for k, v in zip(task.scorer.names, parts)}}
@@ -285,8 +286,8 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1) -> di
     return {"eval_accuracy": (tot[0] / tot[1].clamp_min(1)).item(), "eval_samples": rows if rank == 0 else []}
 
 
-def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: bool = False):
-    """The task, every prompt checked against the prompt budget `limit` when `tok` is given.
+def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: bool = False, steps: int = 0):
+    """The task of a run of `steps`, every prompt checked against the prompt budget `limit` when `tok` is given.
     `evaluates` (--log.eval-every > 0): a held-out set must exist, or no eval_accuracy could mean anything."""
     if cfg.name == "count":
         if limit and limit < CountTask.max_len + 3:
@@ -300,7 +301,7 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
         raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path or raise --task.eval-prompts "
                           "(a training run can also turn evaluation off: --log.eval-every 0)")
-    task.scorer = rewards.scorer(cfg)
+    task.scorer = rewards.scorer(cfg, steps)
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     return task
 

@@ -188,6 +188,13 @@ def verl_keywords(data_source=None, solution_str=None, ground_truth=None, **kw):
     return float(solution_str == ground_truth)
 
 
+def trl_curriculum(completions, trainer_state, **kwargs):
+    """A curriculum as TRL's docs write one: the step and the run's length from `trainer_state`."""
+    from transformers import TrainerState
+    assert isinstance(trainer_state, TrainerState)
+    return [trainer_state.global_step + trainer_state.max_steps / 100] * len(completions)
+
+
 def exits(completion, answer):
     raise SystemExit(0)
 
@@ -242,6 +249,14 @@ def test_the_built_in_tasks_rows_give_a_trl_function_its_prompts_and_answer_colu
     total, parts = task.scorer([q.answer for q in rows], [q.answer for q in rows], [False] * 3, [q.row for q in rows])
     assert parts[1] == [float(len(q.prompt)) for q in rows]
     assert all(v == 1.0 or math.isnan(v) for v in parts[0]) and any(v == 1.0 for v in parts[0])
+
+
+def test_a_trl_function_gets_the_trainer_state_at_the_step_its_batch_was_sampled(forms):
+    """TRL passes `trainer_state` to every reward function; a curriculum that names it was refused at the
+    flags' check ("missing 1 required positional argument")."""
+    task = make_task(TaskConfig(reward=["userpkg.scores:trl_curriculum"]), seed=0, steps=40)
+    assert task.scorer(["1"], ["1"], [False], [{}], [[1]], step=7)[1] == [[7.4]]
+    assert task.scorer(["1"], ["1"], [False])[1] == [[0.4]]  # the check before the first step: step 0
 
 
 def test_an_async_reward_function_is_run_to_its_result(forms):

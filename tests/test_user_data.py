@@ -26,8 +26,11 @@ def correct(completions, solution, **kwargs):
     return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
 
 
-def short(completions, completion_ids, solution, **kwargs):
-    """None: "not applicable" (here to the count 0)."""
+def short(completions, completion_ids, solution, trainer_state, **kwargs):
+    """None: "not applicable" (here to the count 0). Notes the step TRL's `trainer_state` gives it (a curriculum's)."""
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "steps.txt"), "a") as f:
+        f.write(f"{trainer_state.global_step} {trainer_state.max_steps} {len(completions)}\\n")
     return [None if s == "0" else float(len(ids) <= 2) for ids, s in zip(completion_ids, solution)]
 '''
 
@@ -86,6 +89,8 @@ def test_a_trl_conversational_dataset_with_trls_batched_reward_runs_unchanged(ch
     assert [r["step"] for r in recs] == [0, 1]
     assert max(r["reward/correct"] for r in recs) > 0  # the conversational completions were read
     assert all(0 <= r["reward/short"] <= 1 for r in recs)  # its None is left out of its mean, not NaN
+    # trainer_state: the check on one row, the eval of version 0, steps 0 and 1, the eval of version 2
+    assert (tmp_path / "steps.txt").read_text().split("\n") == ["0 2 1", "0 2 8", "0 2 16", "1 2 16", "2 2 8", ""]
     samples = [json.loads(line) for line in open(d / "samples.jsonl")]
     trained = [s for s in samples if s.get("split") == "train"]  # --log.train-samples 3
     assert [s["step"] for s in trained] == [0, 0, 0, 1, 1, 1]
