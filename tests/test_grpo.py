@@ -63,8 +63,9 @@ def test_every_eval_writes_its_completions_to_samples_jsonl_and_prints_two(one_r
     assert [(r["step"], r["eval_version"]) for r in rows[::128]] == [(r["step"], r["eval_version"]) for r in evals]
     assert len(rows) == 128 * len(evals)
     for r in rows:
-        assert set(r) == {"step", "eval_version", "prompt", "completion", "answer", "reward", "clipped"}
+        assert set(r) == {"step", "eval_version", "prompt", "completion", "answer", "reward", "clipped", "rewards"}
         assert r["reward"] == float(r["completion"] == r["answer"] and not r["clipped"])  # the strict scorer
+        assert r["rewards"] == {"count": r["reward"]}  # each function's value: here the one function's
     for e in evals:  # eval_accuracy is the mean reward of the eval's rows
         mine = [r["reward"] for r in rows if r["eval_version"] == e["eval_version"]]
         assert e["eval_accuracy"] == pytest.approx(sum(mine) / len(mine))
