@@ -608,14 +608,14 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
     run_dir = tmp_path / "lr=1e-6"  # an `=` in the path, after --checkpoint= too
     ckpt = run_dir / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
-    config = GRPOArgs(seed=7).to_dict()
+    config = GRPOArgs(seed=7, steps=40).to_dict()
     config["rollout"]["max_tokens"], config["model"]["path"] = 12, str(tmp_path / "model")
     (run_dir / "config.json").write_text(json.dumps(config))
     for argv in (["--checkpoint", str(ckpt)], [f"--checkpoint={ckpt}"]):
         assert _with_run_config(argv) == ["--config", str(run_dir / "config.json"), *argv]
         args = launch.parse(EvalArgs, _with_run_config([*argv, "--seed", "3"]), "", lenient=True)
-        assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint) == (
-            3, 12, str(tmp_path / "model"), str(ckpt))
+        assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint, args.steps) == (
+            3, 12, str(tmp_path / "model"), str(ckpt), 40)  # --steps: a TRL function's trainer_state
     for export in (run_dir / "final", tmp_path / "exported"):
         export.mkdir()
         (export / "minirl_config.json").write_text(json.dumps(config))

@@ -34,6 +34,8 @@ class EvalArgs:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: int = 0
     """The task's seed (which prompts are held out for a JSONL task without --task.eval-path)."""
+    steps: int = 0
+    """The run's --steps, for a TRL reward function's trainer_state (scored as at the run's end)."""
     config: str = ""
     """A YAML or JSON file of flags read first, e.g. a run's config.json (keys this command does not
     have are ignored); flags given beside it win."""
@@ -65,11 +67,11 @@ def main(argv: list[str] | None = None) -> float:
             path = models.resolve_path(args.model)
         check_model(path, args.rollout, args.rollout.max_model_len)
         tok = models.load_tokenizer(path)
-        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, evaluates=True)
+        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, True, args.steps)
         engine = Engine(path, args.rollout, args.rollout.max_model_len, world.engine_device, dtype=args.model.dtype,
                         seed=args.seed, log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
         try:
-            scored = held_out(engine, task, tok, args.rollout.max_prompt_tokens)
+            scored = held_out(engine, task, tok, args.rollout.max_prompt_tokens, version=args.steps)
         finally:
             engine.close()
     for row in scored["eval_samples"][:args.samples]:
