@@ -11,10 +11,11 @@ may be `async def`. The defaults:
 
 `Scorer` applies them to a batch, keeping each function's values (`reward/<name>`); a TRL function
 also gets `trainer_state` (transformers' TrainerState: `global_step` the loop step, `max_steps` --steps),
-as a curriculum reads it. One rule on top: a completion cut at the token cap earns 0 (otherwise padding
-to the cap after the answer wins the built-in task). A function that raises, exits, returns a non-finite number or outlives
-`--task.reward-timeout` ends the run with one line naming it (`RewardError`); a silent one is reported
-after a minute, and a run whose first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
+as a curriculum reads it. One rule on top: a completion cut at the token cap earns 0 (otherwise
+padding to the cap after the answer wins the built-in task). A function that raises, exits, returns a
+non-finite number or outlives `--task.reward-timeout` ends the run with one line naming it
+(`RewardError`); a silent one is reported after a minute, and a run whose first 10 batches earn 0 on
+every row is warned about (`Scorer.watch`).
 """
 
 from __future__ import annotations

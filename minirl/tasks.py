@@ -249,8 +249,9 @@ def encode_prompt(tok, text: str, limit: int) -> list[int]:
 
 def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_size: int, limit: int,
            greedy: bool = False, step: int = 0):
-    """Prompts -> completions -> rewards, for both loops and the evals, at loop `step` (the policy's version):
-    (samples, rewards [row], each function's values [function][row]); row i*G + j is completion j of problem i."""
+    """Prompts -> completions -> rewards, for both loops and the evals, at loop `step` (an eval's: the version
+    it scores): (samples, rewards [row], each function's values [function][row]); row i*G + j is completion j
+    of problem i."""
     prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
     samples = engine.generate(prompts, ids, group_size, greedy=greedy)
     texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
