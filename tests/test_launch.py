@@ -157,23 +157,30 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     """minirl-eval scores final/ and the last checkpoint alike, with the number the run itself
     logged for its last evaluation, and prints the completions that evaluation wrote to samples.jsonl;
     minirl-export writes that checkpoint as final/ was written. Each export carries the run's config
-    (minirl_config.json), which minirl-eval reads for the run's task."""
+    (minirl_config.json), which minirl-eval reads for the run's task. The checkpoint is scored by a TRL
+    function that scores every other prompt (None for the rest): on those 64 (it said "on 128")."""
     last = [r["eval_accuracy"] for r in map(json.loads, open(finished / "metrics.jsonl")) if "eval_accuracy" in r][-1]
-    logged = [json.loads(line) for line in open(finished / "samples.jsonl")][-128:][:4]
-    expected = [f"  sample: {r['prompt']!r} -> {r['completion']!r} (answer {r['answer']!r}, reward {r['reward']:.3g}"
-                for r in logged]
+    logged = [json.loads(line) for line in open(finished / "samples.jsonl")][-128:]
+    right = [float(r["completion"] == r["answer"] and not r["clipped"]) for r in logged]
+    (tmp_path / "half.py").write_text("def half(completions, answer, **kw):\n"
+                                      "    return [float(c == a) if i % 2 == 0 else None\n"
+                                      "            for i, (c, a) in enumerate(zip(completions, answer))]\n")
     ckpt = finished / "checkpoints" / "step_00000002"
     lines = []
-    for flags in (["--model.path", str(finished / "final")], ["--checkpoint", str(ckpt)]):
+    for flags, half in ((["--model.path", str(finished / "final")], False),
+                        (["--checkpoint", str(ckpt), "--task.reward", f"{tmp_path}/half.py:half"], True)):
         p = run([script("minirl-eval"), *flags])
         assert p.returncode == 0
         lines.append(p.stdout.strip().splitlines()[-1])
         shown = [line for line in p.stdout.splitlines() if line.startswith("  sample: ")]
+        expected = [f"  sample: {r['prompt']!r} -> {r['completion']!r} (answer {r['answer']!r}, reward "
+                    f"{0 if half and i % 2 else r['reward']:.3g}" for i, r in enumerate(logged[:4])]
         assert len(shown) == 4 and all(line.startswith(e) for line, e in zip(shown, expected)), (shown, expected)
         noise = [line for line in (p.stdout + p.stderr).splitlines() if line.strip() and "Warning" not in line
                  and not line.startswith(("exported", "eval_accuracy", "  sample: "))]
         assert len(noise) <= 3, noise  # the engine's own lines go to its log file (about 22 lines before)
-    assert lines[0] == lines[1] == f"eval_accuracy {last:.4f} on 128 prompts"
+    assert lines[0] == f"eval_accuracy {last:.4f} on 128 prompts"
+    assert lines[1] == f"eval_accuracy {sum(right[::2]) / 64:.4f} on 64 prompts"  # the prompts it scored
     p = run([script("minirl-export"), str(ckpt), str(tmp_path / "out")])
     assert p.returncode == 0
     a, b = load_file(finished / "final" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
