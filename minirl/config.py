@@ -64,7 +64,8 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     max_tokens: int = 8
-    """Most completion tokens sampled per sequence."""
+    """Most completion tokens sampled per sequence; a completion cut here earns 0. The default suits the built-in
+    task's one-digit answers (TRL and verl default to 256 and 512)."""
     max_prompt_tokens: int = 32
     """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
     min_tokens: int = 0

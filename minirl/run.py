@@ -21,7 +21,7 @@ from huggingface_hub import save_torch_state_dict
 
 from minirl import checkpoint, dist, models
 from minirl.accumulator import Stall
-from minirl.config import TINY, OptimConfig
+from minirl.config import TINY, OptimConfig, RolloutConfig
 from minirl.logger import RunLog, memory_peak_gib
 
 
@@ -43,6 +43,9 @@ class Run:
         if args.model.path != TINY and opt.lr >= OptimConfig.lr:  # AdamW's first steps move every weight by ~lr
             self.info(f"warning: --{group}.lr={opt.lr:g} suits the built-in tiny model; it moves a pretrained model "
                       "far in a step (TRL and verl default to 1e-6)")
+        if args.model.path != TINY and args.rollout.max_tokens == RolloutConfig.max_tokens:
+            self.info(f"warning: --rollout.max-tokens={args.rollout.max_tokens} suits the built-in task's one-digit "
+                      "answers; a completion cut there earns 0 (TRL and verl default to 256 and 512 tokens)")
         self.stop = dist.sigterm_flag()
         self.record = dict(self.log.last_eval)  # the newest record; a resumed run's newest eval until a step's
         self.logged_eval = self.log.last_eval.get("eval_version", -1)  # the newest eval version logged (rank 0)

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import ready_for
 from minirl.config_grpo import GRPOArgs
+from minirl.config_ppo import PPOArgs
 from minirl.run import Run
 
 
@@ -108,3 +109,18 @@ def test_a_pretrained_model_at_the_tiny_models_learning_rate_gets_a_warning(tmp_
         warning = ("warning: --rl.lr=0.0001 suits the built-in tiny model; it moves a pretrained model far in a step "
                    "(TRL and verl default to 1e-6)")
         assert (warning in said) == warned, (path, lr, said)
+
+
+def test_a_pretrained_model_at_the_built_in_tasks_token_cap_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
+    """The default --rollout.max-tokens (8) fits the built-in task's one-digit answer; a pretrained model's answer
+    cut there earns 0 from every function, so its run sees rewards of 0 (the all-zero warning comes after 10 steps)."""
+    from minirl.logger import RunLog
+    said = []
+    monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
+    args = PPOArgs()
+    args.log.run_dir = str(tmp_path)
+    for path, cap, warned in [("tiny", 8, False), ("/models/pretrained", 8, True), ("/models/pretrained", 256, False)]:
+        args.model.path, args.rollout.max_tokens = path, cap
+        said.clear()
+        Run(ready_for(args, tiny_path), world, "a test", rows=8)
+        assert any(line.startswith("warning: --rollout.max-tokens=8 suits the built-in task") for line in said) == warned
