@@ -279,6 +279,7 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1, versi
         rows = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "reward": r, "clipped": c,
                  "rewards": {k: v[i] if v[i] == v[i] else None for k, v in zip(task.scorer.names, parts)}}
                 for i, (p, t, r, c) in enumerate(zip(share, out.texts, scores, out.clipped))]
+    # a CPU tensor on purpose: gloo reduces it beside NCCL (dist.backend_for); a rollout rank has no trainer card
     tot = torch.tensor([float(sum(scores_first)), float(len(scores_first))])
     if world > 1:
         dist.all_reduce(tot)
