@@ -200,9 +200,11 @@ class Scorer:
                                 completions=[[{"role": "assistant", "content": t}] if c else t
                                              for t, c in zip(texts, chat)],
                                 trainer_state=TrainerState(global_step=step, max_steps=self.steps), **columns)
-                    if not isinstance(got, (list, tuple)) or len(got) != len(texts):
+                    # TRL iterates what it gets: a list, a tuple, a NumPy array, a tensor, a generator
+                    values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
+                    if len(values) != len(texts):
                         raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
-                    return [math.nan if v is None else _reward(v) for v in got]
+                    return [math.nan if v is None else _reward(v) for v in values]
                 out = []
                 for t, a, r in zip(texts, answers, rows):  # one row at a time: `on` names the one being scored
                     on[0] = f"the completion {t[:200]!r}"

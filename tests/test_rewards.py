@@ -419,3 +419,24 @@ def test_a_trl_function_returning_a_list_of_the_wrong_length_is_refused(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(rewards.RewardError, match=r"returned list '\[1.0\]', not a list of 2 floats"):
         Scorer(["short_rw:short"], [])(["3", "4"], ["3", "4"], [False, False])
+
+
+def test_a_trl_function_may_return_any_sequence_trl_iterates(tmp_path, monkeypatch):
+    """TRL reads a reward function's result by iterating it, so a NumPy array, a tensor or a generator
+    runs there; they were refused as "not a list of 2 floats". A text or a dict still is."""
+    (tmp_path / "seq_rw.py").write_text(
+        "import numpy, torch\n"
+        "def as_array(completions, answer, **kw):\n    return numpy.array([c == a for c, a in zip(completions, answer)])\n"
+        "def as_tensor(completions, answer, **kw):\n    return torch.tensor([float(c == a) for c, a in zip(completions, answer)])\n"
+        "def as_generator(completions, answer, **kw):\n    return (float(c == a) for c, a in zip(completions, answer))\n"
+        "def as_objects(completions, answer, **kw):\n    return numpy.array([None, 1.0], dtype=object)\n"
+        "def as_text(completions, **kw):\n    return '10'\n"
+        "def as_dict(completions, **kw):\n    return {'a': 1.0, 'b': 0.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = Scorer([f"seq_rw:as_{k}" for k in ("array", "tensor", "generator", "objects")], [])
+    rows = [{"prompt": "q", "answer": a} for a in ("3", "4")]
+    total, parts = s(["3", "5"], ["3", "4"], [False, False], rows)
+    assert parts[:3] == [[1.0, 0.0]] * 3 and math.isnan(parts[3][0]) and parts[3][1] == 1.0 and total == [3.0, 1.0]
+    for kind, shown in (("text", "str '10'"), ("dict", "dict")):
+        with pytest.raises(rewards.RewardError, match=rf"returned {shown}.*, not a list of 2 floats"):
+            Scorer([f"seq_rw:as_{kind}"], [])(["3", "4"], ["3", "4"], [False, False], rows)
