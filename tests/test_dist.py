@@ -289,21 +289,36 @@ def test_a_lost_peer_is_named_with_this_rank_and_the_runs_store(monkeypatch, err
     assert anonymous.startswith("this rank lost a peer: ") and "store" not in anonymous
 
 
-def test_a_first_ctrl_c_asks_for_the_save_and_says_so(world, capsys):
+def test_a_first_ctrl_c_asks_for_the_save_and_says_so(world, capfd):
     import signal
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         check = dist.sigterm_flag()
         assert not check()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert check() and check.name == "SIGTERM" and capsys.readouterr().err == ""
+        assert check() and check.name == "SIGTERM" and capfd.readouterr().err == ""
         check = dist.sigterm_flag()
         os.kill(os.getpid(), signal.SIGINT)
         assert check() and check.name == "Ctrl-C"
-        assert "Ctrl-C: saving a checkpoint at the end of this step, then exiting" in capsys.readouterr().err
+        assert "Ctrl-C: saving a checkpoint at the end of this step, then exiting" in capfd.readouterr().err
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_ctrl_c_while_the_engine_builds_is_answered_on_the_console(tmp_path):
+    """The engine's build sends file descriptor 2 to its log (rollout.py): the answer to a Ctrl-C went
+    there, so a Ctrl-C during the build (minutes on a card) seemed ignored."""
+    code = ("import os, signal, sys\n"
+            "from minirl import dist\n"
+            "dist.sigterm_flag()\n"
+            "log = open(sys.argv[1], 'w')\n"
+            "os.dup2(log.fileno(), 2)  # as rollout.py does while vLLM builds\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "engine.log")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "Ctrl-C: saving a checkpoint at the end of this step" in p.stderr, p.stderr
+    assert (tmp_path / "engine.log").read_text() == ""
 
 
 def test_ranks_on_one_host_share_its_cores_and_a_private_world_is_restored(monkeypatch):

@@ -342,6 +342,11 @@ def test_a_run_whose_completions_the_cap_cuts_is_told_to_raise_the_cap():
         rewards, _ = s(["3", "3", "2"], ["3"] * 3, [True, True, False])
         s.watch(rewards, ["3"] * 3, ["3"] * 3, [True, True, False])
     assert len(said) == 1 and "2 of this batch's 3 completions were cut at --rollout.max-tokens" in said[0]
+    half = Scorer(["minirl.rewards:count"], [])  # "most" is more than half: two of four cut is the format's turn
+    half.say = said.append
+    for _ in range(10):
+        half.watch([0.0] * 4, ["2"] * 4, ["3"] * 4, [True, True, False, False])
+    assert len(said) == 2 and "Check the function and the format" in said[1]
 
 
 def test_two_functions_of_one_name_are_logged_by_their_full_names(tmp_path):
