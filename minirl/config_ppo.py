@@ -117,7 +117,7 @@ class PPOFlags:
             dp = world_size - self.grid.rollout_ranks
         if p.num_prompts_per_step % dp:
             raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "
-                              f"{dp} train rank(s)")
+                              f"{dp} train rank(s); use a multiple of {dp}")
         _positive("--async-rl.rollout-groups-per-call", a.rollout_groups_per_call)
         _check_optimization("ppo", p)
         _positive("--ppo.value-lr", p.value_lr)

@@ -279,6 +279,8 @@ def test_a_refused_size_suggests_one_that_runs():
     p.ppo.num_prompts_per_step = 6
     with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 3] (this launch has 4 rank(s)")):
         _set(p, "grid.rollout_ranks", 4).validate(4)
+    with pytest.raises(ConfigError, match=re.escape("=6 must split evenly over 4 train rank(s); use a multiple of 4")):
+        _set(p, "grid.rollout_ranks", 2).validate(6)
 
 
 def test_one_rule_says_when_an_eval_is_due_and_one_when_a_save_is():
