@@ -245,8 +245,8 @@ def test_a_parquet_file_is_read_by_its_magic_bytes_whatever_its_name(tmp_path):
 class _ChatTok:
     chat_template = "{{ messages }}"
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert not tokenize and add_generation_prompt  # text, ending where the assistant's answer starts
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, continue_final_message):
+        assert not tokenize and add_generation_prompt and not continue_final_message  # text, ending where the answer starts
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 

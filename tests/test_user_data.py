@@ -139,6 +139,16 @@ def test_parquet_json_and_jsonl_rows_load_alike_and_keep_every_column(chat_model
     assert a.rows[0].prompt.endswith("#a=") and a.rows[0].row["extra_info"]["split"] == "train"
 
 
+def test_a_prompt_ending_in_an_assistant_message_is_continued_as_trl_continues_it(chat_model, tmp_path):
+    """A prefill (`{"role": "assistant", "content": "<think>"}` last, as TRL's recipes write one) is the start
+    of the model's answer: TRL renders it with `continue_final_message`; it got a new assistant turn after it."""
+    rows = [{"prompt": [{"role": "user", "content": p.prompt[:-3]}, {"role": "assistant", "content": "#a="}],
+             "answer": p.answer} for p in problems(5)] + trl_rows(5)
+    task = make_task(TaskConfig(name="jsonl", path=str(write_jsonl(tmp_path / "prefill.jsonl", rows)),
+                                eval_prompts=0), 0, load_tokenizer(str(chat_model)), 32)
+    assert sorted(p.prompt for p in task.rows) == sorted(q.prompt for q in problems(5) * 2)
+
+
 @pytest.mark.parametrize("row, key, answer", [
     ({"prompt": "q", "solution": "7"}, "", "7"),
     ({"prompt": "q", "answer": 7}, "", "7"),
