@@ -135,6 +135,11 @@ def test_tensorboard_gets_each_records_numbers_with_the_real_package(tmp_path):
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["reward_mean", "time/step"]
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward_mean")] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    for rank0, asked, d in ((True, False, tmp_path / "unasked"), (False, True, tmp_path / "rank1")):
+        quiet = RunLog(str(d), enabled=rank0, tensorboard=asked)  # only rank 0 writes, and only when asked
+        quiet.write({"step": 0, "reward_mean": 0.5})
+        quiet.close()
+        assert not (d / "tensorboard").exists()
 
 
 def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):
