@@ -11,8 +11,9 @@ may be `async def`. The defaults:
 
 `Scorer` applies them to a batch, keeping each function's values (`reward/<name>`); a TRL function
 also gets `trainer_state` (transformers' TrainerState: `global_step` the loop step, `max_steps` --steps),
-as a curriculum reads it. One rule on top: a completion cut at the token cap earns 0 (otherwise
-padding to the cap after the answer wins the built-in task). A function that raises, exits, returns a
+as a curriculum reads it. One rule on top: a completion cut at the token cap gains nothing from any
+function (otherwise padding to the cap after the answer wins the built-in task), and keeps its penalties
+(a length penalty, negative, must not turn into 0 for running to the cap). A function that raises, exits, returns a
 non-finite number or outlives `--task.reward-timeout` ends the run with one line naming it
 (`RewardError`); a silent one is reported after a minute, and a run whose first 10 batches earn 0 on
 every row is warned about (`Scorer.watch`).
@@ -180,11 +181,13 @@ class Scorer:
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
                  completion_ids: list | None = None, step: int = 0) -> tuple[list, list[list]]:
         """Rewards of a batch sampled at loop `step` (the weighted sum) and each function's own values
-        ([function][row]); a row the cap cut earns 0. A TRL function's None is NaN in its values and adds
-        nothing to the sum."""
+        ([function][row]); a row the cap cut gains nothing (a term that would pay is 0, a penalty stays). A TRL
+        function's None is NaN in its values and adds nothing to the sum."""
         rows = rows or [{} for _ in texts]
-        parts = [[0.0 if cut else v for v, cut in zip(self._values(i, texts, answers, rows, completion_ids, step),
-                                                      clipped)] for i in range(len(self.fns))]
+        parts = []
+        for i, w in enumerate(self.weights):
+            values = self._values(i, texts, answers, rows, completion_ids, step)
+            parts.append([0.0 if cut and w * v > 0 else v for v, cut in zip(values, clipped)])
         return [sum(w * v for w, v in zip(self.weights, col) if v == v) for col in zip(*parts)], parts
 
     def _values(self, i: int, texts, answers, rows, completion_ids, step: int) -> list[float]:
@@ -254,14 +257,14 @@ class Scorer:
 
     def watch(self, rewards: list[float], texts: list[str], answers: list[str], clipped: list[bool]) -> None:
         """Say once if every reward of the first 10 training batches was 0: a function that never pays
-        (a wrong signature, a format the model does not write) or completions the cap cuts (each earns 0)
+        (a wrong signature, a format the model does not write) or completions the cap cuts (each earns nothing)
         look like a run that does not learn."""
         if self.zero_batches < 0:
             return
         self.zero_batches = -1 if any(rewards) else self.zero_batches + 1
         if self.zero_batches == 10:
             why = (f"{sum(clipped)} of this batch's {len(clipped)} completions were cut at --rollout.max-tokens, "
-                   "and a cut one earns 0: raise the flag" if sum(clipped) * 2 > len(clipped) else
+                   "and a cut one earns nothing: raise the flag" if sum(clipped) * 2 > len(clipped) else
                    "Check the function and the format")
             self.say(f"warning: every reward of the first 10 steps' batches was 0 ({', '.join(self.specs)}); e.g. "
                      f"{texts[0][:200]!r} against the answer {answers[0]!r}. {why}")

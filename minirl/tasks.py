@@ -93,17 +93,19 @@ class JsonlTask:
     """Prompts and references from a JSONL or Parquet file, every row checked at load (a bad row is a
     ConfigError naming file:line and the flag). A prompt is text or chat messages (through the chat
     template, as verl's dataset does); the answer is the first of --task.answer-key (dotted: nested),
-    "answer", "solution", "reward_model.ground_truth". Every row keeps its columns for the rewards."""
+    "answer", "solution", "reward_model.ground_truth", and may be missing when `needs_answer` is False (TRL's
+    functions read their own columns). Every row keeps its columns for the rewards."""
 
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
-                 answer_key: str = ""):
+                 answer_key: str = "", needs_answer: bool = True):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
-        rows = self._read(path, "--task.path", tok, limit, keys)
+        rows = self._read(path, "--task.path", tok, limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
-            self.eval_set, self.rows = self._read(eval_path, "--task.eval-path", tok, limit, keys)[:eval_prompts], rows
+            self.eval_set = self._read(eval_path, "--task.eval-path", tok, limit, keys, needs_answer)[:eval_prompts]
+            self.rows = rows
         else:
             k = min(eval_prompts, len(rows) // 5)
             self.eval_set, self.rows = rows[:k], rows[k:]
@@ -118,7 +120,7 @@ class JsonlTask:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
     @classmethod
-    def _read(cls, path: str, flag: str, tok, limit: int, keys: tuple[str, ...]) -> list[Problem]:
+    def _read(cls, path: str, flag: str, tok, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
         rows = []
         for where, r in _records(path, flag):
             if not isinstance(r, dict):
@@ -128,7 +130,7 @@ class JsonlTask:
             if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
                 raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                   "raise the flag or shorten the prompt")
-            rows.append(Problem(prompt, cls._reference(_answer(r, keys, where)), r))
+            rows.append(Problem(prompt, cls._reference(_answer(r, keys, where, needed)), r))
         return rows
 
     @staticmethod
@@ -199,14 +201,16 @@ def _prompt_text(row: dict, tok, where: str) -> str:
                                    continue_final_message=prefill)
 
 
-def _answer(row: dict, keys: tuple[str, ...], where: str) -> str:
-    """The row's reference under the first key present (dotted: nested), as text."""
+def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:
+    """The row's reference under the first key present (dotted: nested), as text ("" if missing, not `needed`)."""
     for key in keys:
         value = row
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         if value is not None:
             break
+    if value is None and not needed:
+        return ""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(int(value)) if float(value).is_integer() else repr(value)
     if not isinstance(value, str):
@@ -293,19 +297,21 @@ def held_out(engine, task, tok, limit: int, rank: int = 0, world: int = 1, versi
 def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: bool = False, steps: int = 0):
     """The task of a run of `steps`, every prompt checked against the prompt budget `limit` when `tok` is given.
     `evaluates` (--log.eval-every > 0): a held-out set must exist, or no eval_accuracy could mean anything."""
+    scorer = rewards.scorer(cfg, steps)  # first: a run scored only by TRL functions (their own columns) needs no answer
     if cfg.name == "count":
         if limit and limit < CountTask.max_len + 3:
             raise ConfigError(f"--rollout.max-prompt-tokens={limit}: the built-in task's prompts take up to "
                               f"{CountTask.max_len + 3} tokens")
         task = CountTask(seed, cfg.eval_prompts)
     else:
-        task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key)
+        task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key,
+                         needs_answer=any(kind != "trl" for kind in scorer.kinds))
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
         raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path or raise --task.eval-prompts "
                           "(a training run can also turn evaluation off: --log.eval-every 0)")
-    task.scorer = rewards.scorer(cfg, steps)
+    task.scorer = scorer
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     return task
 

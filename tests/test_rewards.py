@@ -28,6 +28,24 @@ def test_a_completion_cut_by_the_cap_earns_zero_from_every_reward():
     assert total == [1.5, 0.0, 0.0] and parts == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
 
 
+def test_a_completion_cut_by_the_cap_keeps_its_penalties(tmp_path, monkeypatch):
+    """TRL's quickstart reward is a length penalty, `-abs(20 - len(c))`: a cut completion's 0 was the best reward
+    there is, so running to the cap paid. A term that costs still costs when cut, by its weight's sign too; one
+    that pays is 0; a TRL None stays None."""
+    (tmp_path / "pen_rw.py").write_text(
+        "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+        "def length(completion, answer):\n    return float(len(completion))\n"
+        "def maybe(completions, **kwargs):\n    return [None] + [1.0] * (len(completions) - 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    long, short = "x" * 40, "x" * 18
+    s = Scorer(["pen_rw:reward_len", "pen_rw:length", "minirl.rewards:count", "pen_rw:maybe"], [1.0, -0.5, 1.0, 1.0])
+    total, parts = s([long, short], [long, "3"], [True, True], [{}, {}])
+    assert parts[:3] == [[-20.0, -2.0], [40.0, 18.0], [0.0, 0.0]] and total == [-40.0, -11.0]
+    assert math.isnan(parts[3][0]) and parts[3][1] == 0.0
+    uncut = s([long, short], [long, "3"], [False, False], [{}, {}])[1]
+    assert uncut[2] == [1.0, 0.0] and uncut[3][1] == 1.0  # not cut: the count and `maybe` pay
+
+
 def test_gsm8k_strict_reads_only_the_number_after_the_last_marker():
     assert gsm8k("so 40 + 2 = 42\n#### 42", "42") == 1.0
     assert gsm8k("#### 1,000", "1000") == 1.0 and gsm8k("#### 1,000.", "1000") == 0.0  # verl: "1000." != "1000"

@@ -149,6 +149,21 @@ def test_a_prompt_ending_in_an_assistant_message_is_continued_as_trl_continues_i
     assert sorted(p.prompt for p in task.rows) == sorted(q.prompt for q in problems(5) * 2)
 
 
+def test_trls_quickstart_rows_without_an_answer_load_for_a_trl_function_alone(tmp_path):
+    """TRL's GRPO quickstart trains on `trl-lib/tldr` (`prompt` and `completion` columns, no answer) with a length
+    reward: a TRL function reads its own columns, so no answer is needed; minirl's and verl's forms need one."""
+    (tmp_path / "tldr_rw.py").write_text("def reward_len(completions, **kwargs):\n"
+                                         "    return [-abs(20 - len(c)) for c in completions]\n")
+    f = write_jsonl(tmp_path / "tldr.jsonl", [{"prompt": f"POST: {i}\nTL;DR:", "completion": f" post {i}"}
+                                              for i in range(10)])
+    task = make_task(TaskConfig(name="jsonl", path=str(f), reward=[f"{tmp_path}/tldr_rw.py:reward_len"]), 0)
+    assert {p.answer for p in task.rows + task.eval_set} == {""} and len(task.rows) == 8
+    assert task.scorer(["x" * 22], [""], [False], [task.rows[0].row])[0] == [-2.0]
+    for reward in ([], [f"{tmp_path}/tldr_rw.py:reward_len", "minirl.rewards:count"]):
+        with pytest.raises(ConfigError, match=r"tldr\.jsonl:1: the answer .* got missing"):
+            make_task(TaskConfig(name="jsonl", path=str(f), reward=reward), 0)
+
+
 @pytest.mark.parametrize("row, key, answer", [
     ({"prompt": "q", "solution": "7"}, "", "7"),
     ({"prompt": "q", "answer": 7}, "", "7"),
