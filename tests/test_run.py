@@ -44,6 +44,9 @@ def test_the_harness_scores_and_saves_after_the_steps_their_flags_name_and_recor
     assert seen == list(range(6)) and run.done == 6 and run.stopped == ""
     assert [s for s in range(6) if run.evaluates(s)] == [1, 3, 5]
     assert saved == [5]  # after step 6; step 3 (index 2) took no update
+    thirds, _ = harness(tmp_path / "thirds", tiny_path, world, eval_every=3)  # a step is not its version
+    assert [s for s in range(6) if thirds.evaluates(s)] == [2, 5] == [s for s in range(6) if thirds.saves(s, True)]
+    assert thirds.logged_eval == -1  # a fresh run has logged no eval: streamed PPO scores version 0 first
     assert "step 0: train ..." in said and not [x for x in said if x.startswith(("step 1", "step 0: build"))]
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert {k: v for k, v in records[0].items() if not k.startswith("time/")} == {
