@@ -64,8 +64,8 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     max_tokens: int = 8
-    """Most completion tokens sampled per sequence; a completion cut here gains no reward. The default suits the built-in
-    task's one-digit answers (TRL and verl default to 256 and 512)."""
+    """Most completion tokens sampled per sequence; a completion cut here gains no reward. The default suits the
+    built-in task's one-digit answers (TRL and verl default to 256 and 512)."""
     max_prompt_tokens: int = 32
     """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
     min_tokens: int = 0
@@ -113,8 +113,8 @@ class TaskConfig:
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """A reward function `module:function`, f(completion: str, answer: str) -> float, imported by name;
     repeat the flag for several. Empty = the task's own (minirl.rewards:count, :gsm8k or :gsm8k_flexible).
-    A completion cut by --rollout.max-tokens gains nothing from any function (a penalty is kept); the first one's held-out mean
-    is eval_accuracy."""
+    A completion cut by --rollout.max-tokens gains nothing from any function (a penalty is kept); the first
+    one's held-out mean is eval_accuracy."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per --task.reward function (the reward is their weighted sum); empty = 1 each."""
     reward_timeout: float = 0.0

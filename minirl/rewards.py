@@ -13,8 +13,8 @@ may be `async def`. The defaults:
 also gets `trainer_state` (transformers' TrainerState: `global_step` the loop step, `max_steps` --steps),
 as a curriculum reads it. One rule on top: a completion cut at the token cap gains nothing from any
 function (otherwise padding to the cap after the answer wins the built-in task), and keeps its penalties
-(a length penalty, negative, must not turn into 0 for running to the cap). A function that raises, exits, returns a
-non-finite number or outlives `--task.reward-timeout` ends the run with one line naming it
+(a negative length penalty must not turn into 0 for running to the cap). A function that raises, exits,
+returns a non-finite number or outlives `--task.reward-timeout` ends the run with one line naming it
 (`RewardError`); a silent one is reported after a minute, and a run whose first 10 batches earn 0 on
 every row is warned about (`Scorer.watch`).
 """
