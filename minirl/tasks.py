@@ -196,7 +196,7 @@ def _prompt_text(row: dict, tok, where: str) -> str:
     if tok is None or not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
                           "template to render them; give the prompt as text, or a model with a template")
-    prefill = prompt[-1]["role"] == "assistant"  # the start of the answer ("<think>"): continued, as TRL does
+    prefill = prompt[-1]["role"] == "assistant"  # "<think>": continued, as trl.apply_chat_template does
     return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
                                    continue_final_message=prefill)
 

@@ -140,8 +140,8 @@ def test_parquet_json_and_jsonl_rows_load_alike_and_keep_every_column(chat_model
 
 
 def test_a_prompt_ending_in_an_assistant_message_is_continued_as_trl_continues_it(chat_model, tmp_path):
-    """A prefill (`{"role": "assistant", "content": "<think>"}` last, as TRL's recipes write one) is the start
-    of the model's answer: TRL renders it with `continue_final_message`; it got a new assistant turn after it."""
+    """A prefill (`{"role": "assistant", "content": "<think>"}` last) is the start of the model's answer: TRL's
+    dataset helper `trl.apply_chat_template` renders it with `continue_final_message`; it got a new assistant turn."""
     rows = [{"prompt": [{"role": "user", "content": p.prompt[:-3]}, {"role": "assistant", "content": "#a="}],
              "answer": p.answer} for p in problems(5)] + trl_rows(5)
     task = make_task(TaskConfig(name="jsonl", path=str(write_jsonl(tmp_path / "prefill.jsonl", rows)),
