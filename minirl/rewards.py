@@ -14,9 +14,9 @@ also gets `trainer_state` (transformers' TrainerState: `global_step` the loop st
 as a curriculum reads it. One rule on top: a completion cut at the token cap gains nothing from any
 function (otherwise padding to the cap after the answer wins the built-in task), and keeps its penalties
 (a negative length penalty must not turn into 0 for running to the cap). A function that raises, exits,
-returns a non-finite number or outlives `--task.reward-timeout` ends the run with one line naming it
-(`RewardError`); a silent one is reported after a minute, and a run whose first 10 batches earn 0 on
-every row is warned about (`Scorer.watch`).
+returns a non-finite number (a TRL function's NaN is its None) or outlives `--task.reward-timeout` ends
+the run with one line naming it (`RewardError`); a silent one is reported after a minute, and a run whose
+first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ class Scorer:
             with self._watched(i, on):
                 if form == "trl":
                     chat = [isinstance(r.get("prompt"), list) for r in rows]
-                    columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r if k != "prompt"}
+                    columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r  # all but, as TRL:
+                               if k not in ("prompt", "completion", "completion_ids")}
                     from transformers import TrainerState  # 2 s to import: only for a TRL function
                     got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
                                 completions=[[{"role": "assistant", "content": t}] if c else t
@@ -207,7 +208,7 @@ class Scorer:
                     values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
                     if len(values) != len(texts):
                         raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
-                    return [math.nan if v is None else _reward(v) for v in values]
+                    return [math.nan if v is None else _reward(v, nan_is_none=True) for v in values]
                 out = []
                 for t, a, r in zip(texts, answers, rows):  # one row at a time: `on` names the one being scored
                     on[0] = f"the completion {t[:200]!r}"
@@ -281,13 +282,14 @@ def _call(fn, **kwargs):
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
-def _reward(value) -> float:
-    """A finite float from what a reward function returned (verl's dict: its "score")."""
+def _reward(value, nan_is_none: bool = False) -> float:
+    """A finite float from what a reward function returned (verl's dict: its "score"); `nan_is_none`: a NaN
+    stays NaN (TRL turns a None into NaN and adds neither, so a TRL function's NaN is its None)."""
     if isinstance(value, dict) and "score" in value:
         value = value["score"]
     if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):  # a bool is a number: 1 or 0
         raise TypeError(f"returned {_shown(value)}, not a number")
-    if not math.isfinite(float(value)):
+    if not math.isfinite(float(value)) and not (nan_is_none and math.isnan(float(value))):
         raise ValueError(f"returned {value}, not a finite number")
     return float(value)
 

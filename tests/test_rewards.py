@@ -463,3 +463,21 @@ def test_a_trl_function_may_return_any_sequence_trl_iterates(tmp_path, monkeypat
     for kind, shown in (("text", "str '10'"), ("dict", "dict")):
         with pytest.raises(rewards.RewardError, match=rf"returned {shown}.*, not a list of 2 floats"):
             Scorer([f"seq_rw:as_{kind}"], [])(["3", "4"], ["3", "4"], [False, False], rows)
+
+
+def test_a_trl_functions_nan_is_its_none_and_it_gets_the_columns_trl_passes(tmp_path, monkeypatch):
+    """TRL turns a None into NaN and adds neither, so a TRL function's NaN runs there (it ended the run here);
+    inf still does. TRL passes every column but `prompt`, `completion` and `completion_ids`: the model's ids,
+    never the dataset's (a `completion_ids` column was "got multiple values for keyword argument")."""
+    (tmp_path / "nan_rw.py").write_text(
+        "def nan_for_nine(completions, answer, completion_ids, **kw):\n"
+        "    assert 'completion' not in kw and completion_ids == [[3], [9]]\n"
+        "    return [float('nan') if a == '9' else 1.0 for a in answer]\n"
+        "def inf(completions, **kw):\n    return [float('inf')] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "q", "answer": a, "completion": "a reference", "completion_ids": [0]} for a in ("3", "9")]
+    total, parts = Scorer(["nan_rw:nan_for_nine", "minirl.rewards:count"], [])(["3", "9"], ["3", "9"], [False, False],
+                                                                              rows, [[3], [9]])
+    assert parts[0][0] == 1.0 and math.isnan(parts[0][1]) and parts[1] == [1.0, 1.0] and total == [2.0, 1.0]
+    with pytest.raises(rewards.RewardError, match="returned inf, not a finite number"):
+        Scorer(["nan_rw:inf"], [])(["3"], ["3"], [False], rows[:1], [[3]])
