@@ -196,13 +196,11 @@ class Scorer:
         try:
             with self._watched(i, on):
                 if form == "trl":
-                    chat = [isinstance(r.get("prompt"), list) for r in rows]
+                    prompts, completions = _trl_inputs(rows, texts)
                     columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r  # all but, as TRL:
                                if k not in ("prompt", "completion", "completion_ids")}
                     from transformers import TrainerState  # 2 s to import: only for a TRL function
-                    got = _call(fn, prompts=[r.get("prompt") for r in rows], completion_ids=completion_ids,
-                                completions=[[{"role": "assistant", "content": t}] if c else t
-                                             for t, c in zip(texts, chat)],
+                    got = _call(fn, prompts=prompts, completions=completions, completion_ids=completion_ids,
                                 trainer_state=TrainerState(global_step=step, max_steps=self.steps), **columns)
                     # TRL iterates what it gets: a list, a tuple, a NumPy array, a tensor, a generator
                     values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
@@ -280,6 +278,23 @@ def _call(fn, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     out = fn(**kwargs)
     return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def _trl_inputs(rows: list[dict], texts: list[str]) -> tuple[list, list]:
+    """`prompts` and `completions` as TRL's GRPO gives them: a chat row's completion is one assistant message,
+    and a prefill (the prompt's last message the assistant's, which is continued) opens the completion and
+    leaves the prompt, as TRL gave them when it continued one."""
+    prompts, completions = [], []
+    for row, text in zip(rows, texts):
+        prompt = row.get("prompt")
+        if not isinstance(prompt, list):
+            prompts.append(prompt)
+            completions.append(text)
+            continue
+        prefill = prompt[-1]["content"] if prompt[-1].get("role") == "assistant" else None
+        prompts.append(prompt if prefill is None else prompt[:-1])
+        completions.append([{"role": "assistant", "content": (prefill or "") + text}])
+    return prompts, completions
 
 
 def _reward(value, nan_is_none: bool = False) -> float:

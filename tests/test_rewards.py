@@ -481,3 +481,18 @@ def test_a_trl_functions_nan_is_its_none_and_it_gets_the_columns_trl_passes(tmp_
     assert parts[0][0] == 1.0 and math.isnan(parts[0][1]) and parts[1] == [1.0, 1.0] and total == [2.0, 1.0]
     with pytest.raises(rewards.RewardError, match="returned inf, not a finite number"):
         Scorer(["nan_rw:inf"], [])(["3"], ["3"], [False], rows[:1], [[3]])
+
+
+def test_a_trl_function_sees_a_continued_prefill_open_the_completion_and_leave_the_prompt(tmp_path, monkeypatch):
+    """A chat prompt's closing assistant message is continued, so the model's text follows it: TRL's GRPO, when it
+    continued one, gave its functions the prefill at the completion's start and the prompt without it (a format
+    reward for `^<think>` paid nothing here)."""
+    (tmp_path / "think_rw.py").write_text(
+        "def think(completions, prompts, **kw):\n"
+        "    assert [p[-1]['role'] for p in prompts] == ['user', 'user']\n"
+        "    return [float(c[0]['content'].startswith('<think>')) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ask = [{"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": ask + [{"role": "assistant", "content": "<think>"}]}, {"prompt": ask}]
+    total, parts = Scorer(["think_rw:think"], [])(["4</think>4", "4"], ["", ""], [False, False], rows)
+    assert parts == [[1.0, 0.0]] and total == [1.0, 0.0]
