@@ -249,16 +249,11 @@ def _moments(optimizer) -> list[torch.Tensor]:
 
 
 def load(path: str, parts: dict) -> dict:
-    """Restore each part's model and optimizer, and the RNG states, in place; return the loop state."""
-    if not _complete(path):
-        raise CheckpointError(f"checkpoint {path} has no {MARKER} marker: it is partial and will not be loaded")
+    """Restore each part's model and optimizer, and the RNG states, in place; return the loop state. `path`
+    is one `find` returned: complete, and written by this loop at this world size (`check`)."""
     rank = torch.distributed.get_rank()
     try:
-        with open(os.path.join(path, "loop_state.json")) as f:
-            state = json.load(f)
-        if state["world_size"] != torch.distributed.get_world_size():
-            raise CheckpointError(f"checkpoint {path} was written by {state['world_size']} rank(s); "
-                                  f"this run has {torch.distributed.get_world_size()}")
+        state = _state(path)
         sd = state_dicts(parts)
         _safe_load(path, sd, parts)
         for name, (model, optimizer) in parts.items():
