@@ -175,6 +175,7 @@ class Scorer:
         short = [s.replace(":", ".").rpartition(".")[2] for s in specs]
         self.names = [n if short.count(n) == 1 else s for n, s in zip(short, specs)]  # reward/<name>
         self.say, self.zero_batches = print, 0  # the run's console (run.Run sets it); all-zero batches so far
+        self.told_unscored = False  # a row no function scored was said
         self.timeout = timeout  # --task.reward-timeout: seconds a call may take (0: no limit)
         self.steps = steps  # --steps: TRL's trainer_state.max_steps
 
@@ -254,10 +255,17 @@ class Scorer:
             raise ConfigError(f"--task.reward {spec} failed on an empty completion and the first training row: {why}"
                               ) from None
 
-    def watch(self, rewards: list[float], texts: list[str], answers: list[str], clipped: list[bool]) -> None:
+    def watch(self, rewards: list[float], texts: list[str], answers: list[str], clipped: list[bool],
+              parts: list[list]) -> None:
         """Say once if every reward of the first 10 training batches was 0: a function that never pays
         (a wrong signature, a format the model does not write) or completions the cap cuts (each earns nothing)
-        look like a run that does not learn."""
+        look like a run that does not learn. And once the first row that no function scored (each said None),
+        as TRL warns: its reward is 0, as if it had failed."""
+        unscored = next((i for i, col in enumerate(zip(*parts)) if all(v != v for v in col)), None)
+        if unscored is not None and not self.told_unscored:
+            self.say(f"warning: every --task.reward returned None for {texts[unscored][:200]!r} (answer "
+                     f"{answers[unscored]!r}); a row no function scores has reward 0, as in TRL")
+            self.told_unscored = True
         if self.zero_batches < 0:
             return
         self.zero_batches = -1 if any(rewards) else self.zero_batches + 1

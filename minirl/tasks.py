@@ -266,7 +266,7 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
     rewards, parts = task.scorer(texts, answers, samples.clipped, [q.row for q in rows], samples.completion_tokens,
                                  step)
     if not greedy:  # training batches: a function that never pays is said once
-        task.scorer.watch(rewards, texts, answers, samples.clipped)
+        task.scorer.watch(rewards, texts, answers, samples.clipped, parts)
     samples.texts = texts
     return samples, rewards, parts
 

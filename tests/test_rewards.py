@@ -336,18 +336,18 @@ def test_a_reward_that_never_pays_is_warned_about_once_after_ten_batches(forms):
     said = []
     s.say = said.append
     for _ in range(9):
-        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
+        s.watch(s(["7"], ["3"], [False])[0], ["7"], ["3"], [False], [[0.0]])
     assert said == []  # nine all-zero batches: not yet
-    s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
+    s.watch(s(["7"], ["3"], [False])[0], ["7"], ["3"], [False], [[0.0]])
     assert len(said) == 1 and "first 10 steps" in said[0] and "'7' against the answer '3'" in said[0]  # the tenth
     assert "the format" in said[0] and "--rollout.max-tokens" not in said[0]
     for _ in range(15):
-        s.watch(*[s(["7"], ["3"], [False])[0], ["7"], ["3"], [False]])
+        s.watch(s(["7"], ["3"], [False])[0], ["7"], ["3"], [False], [[0.0]])
     assert len(said) == 1  # once
     paid = Scorer(["minirl.rewards:count"], [])
     paid.say = said.append
     for r in ([0.0], [1.0]) + ([0.0],) * 12:
-        paid.watch(r, ["x"], ["3"], [False])
+        paid.watch(r, ["x"], ["3"], [False], [r])
     assert len(said) == 1  # a run that paid once is never warned
 
 
@@ -358,12 +358,12 @@ def test_a_run_whose_completions_the_cap_cuts_is_told_to_raise_the_cap():
     s.say = said.append
     for _ in range(10):
         rewards, _ = s(["3", "3", "2"], ["3"] * 3, [True, True, False])
-        s.watch(rewards, ["3"] * 3, ["3"] * 3, [True, True, False])
+        s.watch(rewards, ["3"] * 3, ["3"] * 3, [True, True, False], [[0.0] * 3])
     assert len(said) == 1 and "2 of this batch's 3 completions were cut at --rollout.max-tokens" in said[0]
     half = Scorer(["minirl.rewards:count"], [])  # "most" is more than half: two of four cut is the format's turn
     half.say = said.append
     for _ in range(10):
-        half.watch([0.0] * 4, ["2"] * 4, ["3"] * 4, [True, True, False, False])
+        half.watch([0.0] * 4, ["2"] * 4, ["3"] * 4, [True, True, False, False], [[0.0] * 4])
     assert len(said) == 2 and "Check the function and the format" in said[1]
 
 
@@ -496,3 +496,17 @@ def test_a_trl_function_sees_a_continued_prefill_open_the_completion_and_leave_t
     rows = [{"prompt": ask + [{"role": "assistant", "content": "<think>"}]}, {"prompt": ask}]
     total, parts = Scorer(["think_rw:think"], [])(["4</think>4", "4"], ["", ""], [False, False], rows)
     assert parts == [[1.0, 0.0]] and total == [1.0, 0.0]
+
+
+def test_a_row_no_function_scores_is_said_once_as_trl_warns():
+    """A row every function returned None (or NaN) for has reward 0, as in TRL, which warns of it; it was silent
+    here. Said once, with the first such completion; a row one function scores is not such a row."""
+    s = Scorer(["minirl.rewards:count"], [])
+    said = []
+    s.say = said.append
+    s.watch([1.0, 0.0], ["3", "4"], ["3", "5"], [False, False], [[1.0, float("nan")], [float("nan"), 0.0]])
+    assert said == []
+    for _ in range(3):
+        s.watch([1.0, 0.0], ["3", "4"], ["3", "5"], [False, False], [[1.0, float("nan")], [1.0, float("nan")]])
+    assert said == ["warning: every --task.reward returned None for '4' (answer '5'); a row no function scores has "
+                    "reward 0, as in TRL"]

@@ -291,7 +291,7 @@ def test_training_batches_sample_and_are_watched_for_a_reward_that_never_pays_an
     from minirl.tasks import held_out, scored
     task = make_task(TaskConfig(eval_prompts=4), 0)
     watched = []
-    monkeypatch.setattr(task.scorer, "watch", lambda rewards, texts, answers, clipped: watched.append(len(rewards)))
+    monkeypatch.setattr(task.scorer, "watch", lambda rewards, *rest: watched.append(len(rewards)))
     engine = _Engine()
     samples, rewards, parts = scored(engine, task, _Tok(), [task.train_problem(i) for i in range(3)], [0, 1, 2], 2, 32)
     assert engine.greedy == [False] and watched == [6] and samples.texts == ["2"] * 6 and len(parts[0]) == 6
