@@ -218,7 +218,11 @@ class Scorer:
             raise RewardTimeout(self.specs[i], on[0], f"no return within --task.reward-timeout={self.timeout:g} s; "
                                 "give it a timeout of its own, or raise the flag") from None
         except (Exception, SystemExit) as e:  # a library's exit() too: the run must not end as if it had finished
-            raise RewardError(self.specs[i], on[0], f"{type(e).__name__}: {e}; it is called as {FORMS[form]}") from e
+            why = f"{type(e).__name__}: {e}; it is called as {FORMS[form]}"
+            if form == "trl" and ("log_metric" in str(e) or "log_extra" in str(e)):  # TRL 1.x passes both
+                why += ("; minirl passes no log_metric or log_extra: a number to plot can be a function of its own "
+                        "with --task.reward-weights 0 (logged as reward/<name>)")
+            raise RewardError(self.specs[i], on[0], why) from e
 
     @contextlib.contextmanager
     def _watched(self, i: int, on: list[str]):

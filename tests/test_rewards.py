@@ -510,3 +510,16 @@ def test_a_row_no_function_scores_is_said_once_as_trl_warns():
         s.watch([1.0, 0.0], ["3", "4"], ["3", "5"], [False, False], [[1.0, float("nan")], [1.0, float("nan")]])
     assert said == ["warning: every --task.reward returned None for '4' (answer '5'); a row no function scores has "
                     "reward 0, as in TRL"]
+
+
+@pytest.mark.parametrize("body", ["kw['log_metric']('len', 1.0)", "log_metric('len', 1.0)"])
+def test_a_trl_function_that_logs_through_trls_callables_is_told_the_way_minirl_logs(tmp_path, monkeypatch, body):
+    """TRL 1.x passes `log_metric` and `log_extra`; minirl does not, and the function's KeyError or missing
+    argument said nothing of why. The check names them and the weight-0 function that logs a number."""
+    params = "**kw" if body.startswith("kw") else "log_metric, **kw"
+    (tmp_path / "logs_rw.py").write_text(f"def f(completions, {params}):\n    {body}\n    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"log_metric.*minirl passes no log_metric or log_extra: a number to plot can "
+                                          r"be a function of its own with --task.reward-weights 0"):
+        Scorer(["logs_rw:f"], []).check(rewards_row())
+    sys.modules.pop("logs_rw", None)
