@@ -181,6 +181,8 @@ class Run:
         puts it on the card first (the hand-off's trainer window)."""
         if self.stopped == "signal":
             return
+        self.stop.answer = (b"Ctrl-C: the export of the final policy finishes first, then the run exits "
+                            b"(Ctrl-C again to stop now: nothing half-written is kept)\n")  # no step remains
         if before is not None:
             before()
         args, accuracy = self.args, self.record.get("eval_accuracy")

@@ -127,3 +127,23 @@ def test_a_pretrained_model_at_the_built_in_tasks_token_cap_gets_a_warning(tmp_p
         said.clear()
         Run(ready_for(args, tiny_path), world, "a test", rows=8)
         assert any(line.startswith("warning: --rollout.max-tokens=8 suits the built-in task") for line in said) == warned
+
+
+def test_a_first_ctrl_c_during_the_final_export_is_told_the_export_finishes(tmp_path, tiny_path, world, capfd):
+    """Past the last step a first Ctrl-C saves no checkpoint: it was told "saving a checkpoint at the end of this
+    step", and the export went on to the end as it does."""
+    import os
+    import signal
+
+    from minirl import models
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        run, _ = harness(tmp_path, tiny_path, world, eval_every=0)
+        run.finish(models.sharded(tiny_path, "policy", world, "float32"), before=lambda: os.kill(os.getpid(),
+                                                                                                 signal.SIGINT))
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    err = capfd.readouterr().err
+    assert "Ctrl-C: the export of the final policy finishes first, then the run exits" in err
+    assert "saving a checkpoint" not in err and (tmp_path / "final" / "model.safetensors").is_file()
