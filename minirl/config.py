@@ -65,7 +65,7 @@ class ModelConfig:
 class RolloutConfig:
     max_tokens: int = 8
     """Most completion tokens sampled per sequence; a completion cut here gains no reward. The default suits the
-    built-in task's one-digit answers (TRL and verl default to 256 and 512)."""
+    built-in task's one-digit answers (TRL 1.x and verl default to 512)."""
     max_prompt_tokens: int = 32
     """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
     min_tokens: int = 0

@@ -45,7 +45,7 @@ class Run:
                       "far in a step (TRL and verl default to 1e-6)")
         if args.model.path != TINY and args.rollout.max_tokens == RolloutConfig.max_tokens:
             self.info(f"warning: --rollout.max-tokens={args.rollout.max_tokens} suits the built-in task's one-digit "
-                      "answers; a completion cut there earns nothing (TRL and verl default to 256 and 512 tokens)")
+                      "answers; a completion cut there earns nothing (TRL 1.x and verl default to 512 tokens)")
         self.stop = dist.sigterm_flag()
         self.record = dict(self.log.last_eval)  # the newest record; a resumed run's newest eval until a step's
         self.logged_eval = self.log.last_eval.get("eval_version", -1)  # the newest eval version logged (rank 0)
