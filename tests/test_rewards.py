@@ -492,7 +492,7 @@ def test_a_trl_function_sees_a_continued_prefill_open_the_completion_and_leave_t
         "    assert [p[-1]['role'] for p in prompts] == ['user', 'user']\n"
         "    return [float(c[0]['content'].startswith('<think>')) for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    ask = [{"role": "user", "content": "2+2?"}]
+    ask = [{"role": "system", "content": "Think first."}, {"role": "user", "content": "2+2?"}]
     rows = [{"prompt": ask + [{"role": "assistant", "content": "<think>"}]}, {"prompt": ask}]
     total, parts = Scorer(["think_rw:think"], [])(["4</think>4", "4"], ["", ""], [False, False], rows)
     assert parts == [[1.0, 0.0]] and total == [1.0, 0.0]
@@ -512,14 +512,19 @@ def test_a_row_no_function_scores_is_said_once_as_trl_warns():
                     "reward 0, as in TRL"]
 
 
-@pytest.mark.parametrize("body", ["kw['log_metric']('len', 1.0)", "log_metric('len', 1.0)"])
+@pytest.mark.parametrize("body", ["kw['log_metric']('len', 1.0)", "log_metric('len', 1.0)", "kw['log_extra']('c', [])"])
 def test_a_trl_function_that_logs_through_trls_callables_is_told_the_way_minirl_logs(tmp_path, monkeypatch, body):
     """TRL 1.x passes `log_metric` and `log_extra`; minirl does not, and the function's KeyError or missing
-    argument said nothing of why. The check names them and the weight-0 function that logs a number."""
+    argument said nothing of why. The check names them and the weight-0 function that logs a number; a TRL
+    function that fails otherwise is not told of them."""
     params = "**kw" if body.startswith("kw") else "log_metric, **kw"
-    (tmp_path / "logs_rw.py").write_text(f"def f(completions, {params}):\n    {body}\n    return [1.0] * len(completions)\n")
+    (tmp_path / "logs_rw.py").write_text(f"def f(completions, {params}):\n    {body}\n    return [1.0] * len(completions)\n"
+                                         "def g(completions, **kw):\n    return kw['solution']\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"log_metric.*minirl passes no log_metric or log_extra: a number to plot can "
-                                          r"be a function of its own with --task.reward-weights 0"):
+    with pytest.raises(ConfigError, match=r"log_(metric|extra).*minirl passes no log_metric or log_extra: a number to "
+                                          r"plot can be a function of its own with --task.reward-weights 0"):
         Scorer(["logs_rw:f"], []).check(rewards_row())
+    with pytest.raises(ConfigError, match="KeyError: 'solution'") as other:
+        Scorer(["logs_rw:g"], []).check(rewards_row())
+    assert "log_metric" not in str(other.value)
     sys.modules.pop("logs_rw", None)
