@@ -55,7 +55,8 @@ def train(ready: launch.Ready) -> dict:
     dist.seed_everything(args.seed)
     with run.phase("build_trainer", announce="loading the policy (FSDP2)"):
         policy = models.sharded(ready.path, "policy", world, args.model.dtype, args.model.packing,
-                                checkpointing=args.model.activation_checkpointing)
+                                checkpointing=args.model.activation_checkpointing,
+                                temperature=args.rollout.temperature)  # scored as the engine samples
         ref = models.sharded(ready.path, "reference", world, args.model.dtype, like=policy) if rl.kl_coef else None
     run.info(models.load_report(args.model.packing, policy))
     optimizer = models.adamw(policy, rl.lr, rl.weight_decay)

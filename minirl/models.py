@@ -164,14 +164,16 @@ def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
 
 
 def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,
-            checkpointing: bool = False) -> nn.Module:
+            checkpointing: bool = False, temperature: float = 1.0) -> nn.Module:
     """The trainer's models as both loops build them: loaded (float32 masters; the reference in `dtype`),
-    then FSDP2-sharded to compute in `dtype` on the world's device. Before sharding, two checks on the
-    float32 weights decide how the model computes: `pack` trains padding-free where the model keeps
-    packed rows apart (`packing_error`), and the chunked logprob head is used where it equals the
-    model's own logits (`chunked_head_error`); the reference takes both verdicts from `like`."""
+    then FSDP2-sharded to compute in `dtype` on the world's device. Its logprobs are at the sampling
+    `temperature` (`token_logprobs`). Before sharding, two checks on the float32 weights decide how the
+    model computes: `pack` trains padding-free where the model keeps packed rows apart (`packing_error`),
+    and the chunked logprob head is used where it equals the model's own logits (`chunked_head_error`);
+    the reference takes the temperature and both verdicts from `like`."""
     load = {"policy": load_policy, "value": load_value, "reference": lambda p: load_reference(p, dtype)}[kind]
     model = load(path)
+    model.temperature = like.temperature if like is not None else temperature
     if like is not None:
         model.pack_rows, model.chunked_head = like.pack_rows, like.chunked_head
     else:
@@ -253,8 +255,10 @@ LOGITS_CHUNK = 2**26  # vocabulary entries per piece: 256 MiB of float32 logits 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: bool | str = False, lengths=None):
     """Log-probability of each next token under `model`: (B, T) ids -> (B, T) float32.
 
-    Column t holds log p(input_ids[:, t] | input_ids[:, :t]); column 0 is 0. `entropy=True` also returns
-    each position's entropy (B, T) without a gradient (a metric), `entropy="grad"` with it (a bonus).
+    Column t holds log p(input_ids[:, t] | input_ids[:, :t]) under the logits divided by the model's
+    `temperature` (the distribution the engine samples, as verl and TRL score it); column 0 is 0.
+    `entropy=True` also returns each position's entropy (B, T) without a gradient (a metric),
+    `entropy="grad"` with it (a bonus).
     Given `lengths` (host ints) and a model that packs, the forward runs padding-free (batch.Layout).
 
     Memory: for the length of the call `lm_head` is replaced by a head that returns only the chosen
@@ -271,7 +275,7 @@ def _chunked_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: 
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
     name = next(n for n, m in model.named_children() if m is head)
-    setattr(model, name, _ChosenLogprobs(head, ids[:, 1:], entropy == "grad"))
+    setattr(model, name, _ChosenLogprobs(head, ids[:, 1:], entropy == "grad", getattr(model, "temperature", 1.0)))
     try:
         out = model(input_ids=ids, position_ids=lay.positions if lay else None).logits  # (., ., 2)
     finally:
@@ -285,6 +289,9 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
     lay = layout(model, input_ids, lengths)
     ids = lay.pack(input_ids) if lay else input_ids
     logits = wide(model(input_ids=ids, position_ids=lay.positions if lay else None).logits)
+    temperature = getattr(model, "temperature", 1.0)
+    if temperature != 1.0:  # the sampling distribution (1.0: untouched, bit for bit)
+        logits = logits / temperature
     logsm = torch.log_softmax(logits[:, :-1], dim=-1)                   # (., T-1, V)
     lp = _before(nn.functional.pad(logsm.gather(-1, ids[:, 1:, None]).squeeze(-1), (0, 1)), lay)
     if not entropy:
@@ -329,15 +336,18 @@ class _ChosenLogprobs(nn.Module):
     """Stands in for `lm_head`: hidden (B, T, H) -> (B, T, 2), the chosen token's log-probability and
     the distribution's entropy; the last position (no next token) is 0."""
 
-    def __init__(self, head: nn.Module, targets: torch.Tensor, entropy_grad: bool):
+    def __init__(self, head: nn.Module, targets: torch.Tensor, entropy_grad: bool, temperature: float):
         super().__init__()
         self.head, self.targets, self.entropy_grad = head, targets, entropy_grad  # targets: (B, T-1)
+        self.temperature = temperature
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         B, T, H = hidden.shape
-        h = hidden[:, :-1].reshape(-1, H)                               # (N, H), N = B*(T-1)
+        h, bias = hidden[:, :-1].reshape(-1, H), self.head.bias         # (N, H), N = B*(T-1)
+        if self.temperature != 1.0:  # (h W^T + b) / t = (h / t) W^T + b / t: no copy of the (V, H) weight
+            h, bias = h / self.temperature, bias / self.temperature if bias is not None else None
         step = max(1, LOGITS_CHUNK // self.head.weight.shape[0])
-        both = _ChunkedHead.apply(h, self.head.weight, self.head.bias, self.targets.reshape(-1), step,
+        both = _ChunkedHead.apply(h, self.head.weight, bias, self.targets.reshape(-1), step,
                                   self.entropy_grad)                    # (N, 2)
         return nn.functional.pad(both.view(B, T - 1, 2), (0, 0, 0, 1))  # (B, T, 2)
 

@@ -65,7 +65,8 @@ def train(ready: launch.Ready, world: dist.World, source) -> dict:
     # ---- build: policy, critic and reference (FSDP2, float32 masters) ----
     with run.phase("build_trainer", announce="loading the policy and the value model (FSDP2)"):
         policy = models.sharded(ready.path, "policy", world, args.model.dtype, args.model.packing,
-                                checkpointing=args.model.activation_checkpointing)
+                                checkpointing=args.model.activation_checkpointing,
+                                temperature=args.rollout.temperature)  # scored as the engine samples
         value = models.sharded(ready.path, "value", world, args.model.dtype, args.model.packing,
                                checkpointing=args.model.activation_checkpointing)
         ref = models.sharded(ready.path, "reference", world, args.model.dtype, like=policy) if p.kl_coef else None

@@ -81,6 +81,33 @@ def test_a_head_with_a_bias_adds_it_in_every_piece_and_sums_its_gradient(tiny_pa
     assert close(a.lm_head.bias.grad, b.lm_head.bias.grad) and close(a.lm_head.weight.grad, b.lm_head.weight.grad)
 
 
+def test_both_heads_score_the_distribution_at_the_models_temperature_values_and_gradients(tiny_path, monkeypatch):
+    """A model sharded for --rollout.temperature t scores log softmax(logits / t), as verl and TRL do: the chunked
+    head (with a bias, in pieces) and the plain path agree with it, entropy too, and so do their gradients (in
+    float64, as the entropy tests below: the heads sum in different orders)."""
+    def tempered():
+        model = models.load_policy(tiny_path).double()
+        head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True, dtype=torch.float64)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.copy_(torch.randn(head.bias.shape, generator=torch.Generator().manual_seed(0)))
+        model.lm_head, model.temperature = head, 0.5
+        return model
+    a, b = tempered(), tempered()
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 7 * a.config.vocab_size)  # pieces of 7 tokens
+    ids = torch.randint(3, 40, (3, 6), generator=torch.Generator().manual_seed(0))
+    logsm = torch.log_softmax(a(input_ids=ids).logits[:, :-1].detach() / 0.5, -1)
+    by_hand = [torch.nn.functional.pad(x, (1, 0)) for x in (logsm.gather(-1, ids[:, 1:, None]).squeeze(-1),
+                                                             -(logsm.exp() * logsm).sum(-1))]
+    plain, chunked = models.plain_token_logprobs(a, ids, entropy="grad"), models.token_logprobs(b, ids, entropy="grad")
+    for x, y, z in zip(by_hand, plain, chunked):
+        assert (x - y).abs().max().item() < 1e-10 and (x - z).abs().max().item() < 1e-10
+    (plain[0].sum() + plain[1].sum()).backward()
+    (chunked[0].sum() + chunked[1].sum()).backward()
+    assert max((p.grad - q.grad).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-10
+    assert a.lm_head.bias.grad.abs().max().item() > 1e-6
+
+
 def test_the_reference_and_an_entropy_metric_stay_out_of_the_graph(tiny_path):
     ref = models.load_reference(tiny_path)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())

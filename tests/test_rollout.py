@@ -213,3 +213,24 @@ def test_cpu_and_cuda_extras_pin_one_vllm_release_and_rollout_uses_public_calls(
     used = set(re.findall(r"self\.llm\.(\w+)", src))
     assert used == {"generate", "collective_rpc", "sleep", "wake_up", "llm_engine"}, used
     assert src.count("self.llm.llm_engine") == 1  # Engine.close: vLLM 0.32 has no public shutdown
+
+
+def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_distribution_sampled(engine, prompts,
+                                                                                           tiny_path, world):
+    """--rollout.temperature 0.5: the engine samples from softmax(logits / 0.5), and its logprobs and the trainer's
+    (models.sharded's `temperature`) are of that distribution, as verl and TRL score it; both were at 1.0,
+    so the update's ratio and gradient were of a policy other than the one sampled."""
+    from minirl import models
+    engine.cfg.temperature = 0.5
+    try:
+        s = engine.generate(prompts, [1, 2, 3], G)
+    finally:
+        engine.cfg.temperature = 1.0
+    tempered = models.sharded(tiny_path, "policy", world, "float32", temperature=0.5)
+    reference = models.sharded(tiny_path, "reference", world, "float32", like=tempered)
+    plain = load_policy(tiny_path)
+    with torch.no_grad():
+        for mine, ref, theirs in zip(_trainer_logprobs(tempered, s), _trainer_logprobs(reference, s), s.logprobs):
+            assert (mine - torch.tensor(theirs)).abs().max().item() < 1e-4 and torch.equal(mine, ref)
+        at_one = _trainer_logprobs(plain, s)
+        assert max((a - torch.tensor(t)).abs().max().item() for a, t in zip(at_one, s.logprobs)) > 0.1
