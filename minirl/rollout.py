@@ -148,8 +148,8 @@ class Engine:
                       enforce_eager=(not on_cuda) if self.cfg.enforce_eager is None else self.cfg.enforce_eager,
                       enable_sleep_mode=self._vllm_sleeps, distributed_executor_backend="external_launcher",
                       # a sampled token's logprob under the distribution it was drawn from (after temperature,
-                      # and top-k/top-p where set; the trainer divides by the temperature alone); greedy: the
-                      # raw one (vllm/v1/sample/sampler.py, Sampler.sample)
+                      # and top-k/top-p where set; the trainer divides by the temperature alone), as TRL sets it
+                      # (trl/generation/vllm_generation.py); greedy: the raw one (vllm/v1/sample/sampler.py)
                       logprobs_mode="processed_logprobs",
                       # CUDA graphs' memory leaves the card at sleep too, restored in place at wake (vLLM
                       # keeps it resident by default: config/model.py, sleep_mode_offload_cudagraph)
