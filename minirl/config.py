@@ -112,9 +112,9 @@ class TaskConfig:
     number is compared as text, normalised."""
     reward: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """A reward function `module:function`, f(completion: str, answer: str) -> float or TRL's or verl's form
-    (told apart by its parameters), imported by name; repeat the flag for several. Empty = the task's own (minirl.rewards:count, :gsm8k or :gsm8k_flexible).
-    A completion cut by --rollout.max-tokens gains nothing from any function (a penalty is kept); the first
-    one's held-out mean is eval_accuracy."""
+    (told apart by its parameters), imported by name; repeat the flag for several. Empty = the task's own
+    (minirl.rewards:count, :gsm8k or :gsm8k_flexible). A completion cut by --rollout.max-tokens gains nothing
+    from any function (a penalty is kept); the first one's held-out mean is eval_accuracy."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per --task.reward function (the reward is their weighted sum); empty = 1 each."""
     reward_timeout: float = 0.0
