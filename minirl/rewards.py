@@ -9,14 +9,15 @@ may be `async def`. The defaults:
 `count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
 `gsm8k_flexible` (the last number anywhere).
 
-`Scorer` applies them to a batch, keeping each function's values (`reward/<name>`); a TRL function
-also gets `trainer_state` (transformers' TrainerState: `global_step` the loop step, `max_steps` --steps),
-as a curriculum reads it. One rule on top: a completion cut at the token cap gains nothing from any
-function (otherwise padding to the cap after the answer wins the built-in task), and keeps its penalties
-(a negative length penalty must not turn into 0 for running to the cap). A function that raises, exits,
-returns a non-finite number (a TRL function's NaN is its None) or outlives `--task.reward-timeout` ends
-the run with one line naming it (`RewardError`); a silent one is reported after a minute, and a run whose
-first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
+`Scorer` applies them to a batch, keeping each function's values (`reward/<name>`) and the numbers it
+logs beside them (`reward/<name>/<number>`: TRL's log_metric and log_extra, a verl dict's keys beside
+"score"); a TRL function also gets `trainer_state` (transformers' TrainerState: `global_step` the loop
+step, `max_steps` --steps), as a curriculum reads it. One rule on top: a completion cut at the token cap
+gains nothing from any function (otherwise padding to the cap after the answer wins the built-in task),
+and keeps its penalties (a negative length penalty must not turn into 0 for running to the cap). A
+function that raises, exits, returns a non-finite number (a TRL function's NaN is its None) or outlives
+`--task.reward-timeout` ends the run with one line naming it (`RewardError`); a silent one is reported
+after a minute, and a run whose first 10 batches earn 0 on every row is warned about (`Scorer.watch`).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ BUILT_IN = {"count": "minirl.rewards:count", "strict": "minirl.rewards:gsm8k",
 
 FORMS = {  # how each kind of reward function is called, as the errors describe it
     "minirl": "f(completion: str, answer: str) -> float",
-    "trl": "TRL's f(completions, prompts=..., completion_ids=..., trainer_state=..., **columns) -> "
-           "list[float | None]",
+    "trl": "TRL's f(completions, prompts=..., completion_ids=..., trainer_state=..., log_metric=..., log_extra=..., "
+           "**columns) -> list[float | None]",
     "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float or "
             "{'score': float, ...}"}
 
@@ -174,26 +175,46 @@ class Scorer:
         self.kinds = [kind(fn) for fn in self.fns]
         short = [s.replace(":", ".").rpartition(".")[2] for s in specs]
         self.names = [n if short.count(n) == 1 else s for n, s in zip(short, specs)]  # reward/<name>
+        # The numbers a function logs beside its reward (TRL's log_metric and log_extra, verl's dict beside
+        # "score"), as (function, name): those of the first call (the check's), so every rank has the same.
+        self.logs: list[tuple[int, str]] | None = None
         self.say, self.zero_batches = print, 0  # the run's console (run.Run sets it); all-zero batches so far
-        self.told_unscored = False  # a row no function scored was said
+        self.told_unscored = self.told_late = False  # a row no function scored, a number logged late, was said
         self.timeout = timeout  # --task.reward-timeout: seconds a call may take (0: no limit)
         self.steps = steps  # --steps: TRL's trainer_state.max_steps
 
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
                  completion_ids: list | None = None, step: int = 0) -> tuple[list, list[list]]:
         """Rewards of a batch sampled at loop `step` (the weighted sum) and each function's own values
-        ([function][row]); a row the cap cut gains nothing (a term that would pay is 0, a penalty stays). A TRL
-        function's None is NaN in its values and adds nothing to the sum."""
+        ([function][row]), then the numbers of `logs` (NaN in a row without one); a row the cap cut gains nothing
+        (a term that would pay is 0, a penalty stays). A TRL function's None is NaN in its values and adds nothing
+        to the sum."""
         rows = rows or [{} for _ in texts]
-        parts = []
+        parts, logged = [], []
         for i, w in enumerate(self.weights):
-            values = self._values(i, texts, answers, rows, completion_ids, step)
+            values, numbers = self._values(i, texts, answers, rows, completion_ids, step)
             parts.append([0.0 if cut and w * v > 0 else v for v, cut in zip(values, clipped)])
-        return [sum(w * v for w, v in zip(self.weights, col) if v == v) for col in zip(*parts)], parts
+            logged.append(numbers)
+        if self.logs is None:
+            self.logs = [(i, name) for i, numbers in enumerate(logged) for name in sorted(numbers)]
+            self.names += [f"{self.names[i]}/{name}" for i, name in self.logs]  # reward/<function>/<name>
+        late = [f"{self.specs[i]} {name!r}" for i, numbers in enumerate(logged) for name in numbers
+                if (i, name) not in self.logs]
+        if late and not self.told_late:
+            self.say(f"warning: {', '.join(late)} not plotted: a function's numbers are those its first call logs")
+            self.told_late = True
+        rewards = [sum(w * v for w, v in zip(self.weights, col) if v == v) for col in zip(*parts)]
+        return rewards, parts + [logged[i].get(name, [math.nan] * len(texts)) for i, name in self.logs]
 
-    def _values(self, i: int, texts, answers, rows, completion_ids, step: int) -> list[float]:
+    def _values(self, i: int, texts, answers, rows, completion_ids, step: int) -> tuple[list[float], dict]:
+        """Function `i`'s values of the batch, and the numbers it logged beside them (name -> value by row)."""
         fn, form = self.fns[i], self.kinds[i]
         on = [f"the completion {texts[0][:200]!r}" + (" (the first of the batch)" if len(texts) > 1 else "")]
+        logged, metrics = {}, {}
+
+        def log(name: str, row: int, value) -> None:  # a number by row (a bool is 1 or 0); text is not plotted
+            if hasattr(value, "__float__") and math.isfinite(float(value)):
+                logged.setdefault(name, [math.nan] * len(texts))[row] = float(value)
         try:
             with self._watched(i, on):
                 if form == "trl":
@@ -202,27 +223,32 @@ class Scorer:
                                if k not in ("prompt", "completion", "completion_ids")}
                     from transformers import TrainerState  # 2 s to import: only for a TRL function
                     got = _call(fn, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                trainer_state=TrainerState(global_step=step, max_steps=self.steps), **columns)
+                                trainer_state=TrainerState(global_step=step, max_steps=self.steps), **columns,
+                                log_metric=lambda name, value: metrics.setdefault(name, []).append(value),
+                                log_extra=lambda name, values: [log(name, r, v) for r, v in enumerate(values)])
+                    for name, values in metrics.items():  # TRL's log_metric: a number per call, the calls' mean
+                        for r in range(len(texts)):
+                            log(name, r, sum(values) / len(values))
                     # TRL iterates what it gets: a list, a tuple, a NumPy array, a tensor, a generator
                     values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
                     if len(values) != len(texts):
                         raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
-                    return [math.nan if v is None else _reward(v, nan_is_none=True) for v in values]
+                    return [math.nan if v is None else _reward(v, nan_is_none=True) for v in values], logged
                 out = []
                 for t, a, r in zip(texts, answers, rows):  # one row at a time: `on` names the one being scored
                     on[0] = f"the completion {t[:200]!r}"
-                    out.append(_reward(_call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
-                                             extra_info=r.get("extra_info")) if form == "verl" else fn(t, a)))
-                return out
+                    got = _call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
+                                extra_info=r.get("extra_info")) if form == "verl" else fn(t, a)
+                    for name, value in got.items() if isinstance(got, dict) else ():
+                        if name != "score":
+                            log(name, len(out), value)
+                    out.append(_reward(got))
+                return out, logged
         except _Late:
             raise RewardTimeout(self.specs[i], on[0], f"no return within --task.reward-timeout={self.timeout:g} s; "
                                 "give it a timeout of its own, or raise the flag") from None
         except (Exception, SystemExit) as e:  # a library's exit() too: the run must not end as if it had finished
-            why = f"{type(e).__name__}: {e}; it is called as {FORMS[form]}"
-            if form == "trl" and ("log_metric" in str(e) or "log_extra" in str(e)):  # TRL 1.x passes both
-                why += ("; minirl passes no log_metric or log_extra: a number to plot can be a function of its own "
-                        "with --task.reward-weights 0 (logged as reward/<name>)")
-            raise RewardError(self.specs[i], on[0], why) from e
+            raise RewardError(self.specs[i], on[0], f"{type(e).__name__}: {e}; it is called as {FORMS[form]}") from e
 
     @contextlib.contextmanager
     def _watched(self, i: int, on: list[str]):
@@ -265,7 +291,7 @@ class Scorer:
         (a wrong signature, a format the model does not write) or completions the cap cuts (each earns nothing)
         look like a run that does not learn. And once the first row that no function scored (each said None),
         as TRL warns: its reward is 0, as if it had failed."""
-        unscored = next((i for i, col in enumerate(zip(*parts)) if all(v != v for v in col)), None)
+        unscored = next((i for i, col in enumerate(zip(*parts[:len(self.fns)])) if all(v != v for v in col)), None)
         if unscored is not None and not self.told_unscored:
             self.say(f"warning: every --task.reward returned None for {texts[unscored][:200]!r} (answer "
                      f"{answers[unscored]!r}); a row no function scores has reward 0, as in TRL")

@@ -8,8 +8,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from minirl import rewards
+from minirl.logger import sample_metrics
 from minirl.config import ConfigError, TaskConfig
 from minirl.rewards import Scorer, count, gsm8k, gsm8k_flexible
 from minirl.tasks import make_task
@@ -501,7 +503,7 @@ def test_a_trl_function_sees_a_continued_prefill_open_the_completion_and_leave_t
 def test_a_row_no_function_scores_is_said_once_as_trl_warns():
     """A row every function returned None (or NaN) for has reward 0, as in TRL, which warns of it; it was silent
     here. Said once, with the first such completion; a row one function scores is not such a row."""
-    s = Scorer(["minirl.rewards:count"], [])
+    s = Scorer(["minirl.rewards:count", "minirl.rewards:gsm8k"], [])
     said = []
     s.say = said.append
     s.watch([1.0, 0.0], ["3", "4"], ["3", "5"], [False, False], [[1.0, float("nan")], [float("nan"), 0.0]])
@@ -512,19 +514,32 @@ def test_a_row_no_function_scores_is_said_once_as_trl_warns():
                     "reward 0, as in TRL"]
 
 
-@pytest.mark.parametrize("body", ["kw['log_metric']('len', 1.0)", "log_metric('len', 1.0)", "kw['log_extra']('c', [])"])
-def test_a_trl_function_that_logs_through_trls_callables_is_told_the_way_minirl_logs(tmp_path, monkeypatch, body):
-    """TRL 1.x passes `log_metric` and `log_extra`; minirl does not, and the function's KeyError or missing
-    argument said nothing of why. The check names them and the weight-0 function that logs a number; a TRL
-    function that fails otherwise is not told of them."""
-    params = "**kw" if body.startswith("kw") else "log_metric, **kw"
-    (tmp_path / "logs_rw.py").write_text(f"def f(completions, {params}):\n    {body}\n    return [1.0] * len(completions)\n"
-                                         "def g(completions, **kw):\n    return kw['solution']\n")
+def test_the_numbers_a_function_logs_beside_its_reward_are_plotted_as_trl_and_verl_keep_them(tmp_path, monkeypatch):
+    """TRL 1.x passes `log_metric` (a number per call, the calls' mean) and `log_extra` (a column by row); verl's
+    compute_score may return a dict beside "score" (verl's `acc` is a bool). A function using TRL's failed at the
+    check (KeyError: 'log_metric'); verl's were dropped. Each is now a value by row, `reward/<function>/<name>`,
+    never in the reward's sum; text is not plotted, and a name the first call did not log is said once."""
+    (tmp_path / "logs_rw.py").write_text(
+        "def f(completions, log_metric, **kw):\n"
+        "    log_metric('len', 2.0)\n    log_metric('len', 4.0)\n"
+        "    kw['log_extra']('hits', [c.count('3') for c in completions])\n"
+        "    kw['log_extra']('said', list(completions))\n"
+        "    if completions[0] == 'late':\n        log_metric('new', 1.0)\n"
+        "    return [1.0] * len(completions)\n"
+        "def v(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'acc': solution_str == ground_truth, 'pred': solution_str}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"log_(metric|extra).*minirl passes no log_metric or log_extra: a number to "
-                                          r"plot can be a function of its own with --task.reward-weights 0"):
-        Scorer(["logs_rw:f"], []).check(rewards_row())
-    with pytest.raises(ConfigError, match="KeyError: 'solution'") as other:
-        Scorer(["logs_rw:g"], []).check(rewards_row())
-    assert "log_metric" not in str(other.value)
+    s = Scorer(["logs_rw:f", "logs_rw:v"], [1.0, 2.0])
+    said = []
+    s.say = said.append
+    s.check(rewards_row())
+    assert s.names == ["f", "v", "f/hits", "f/len", "v/acc"]
+    total, parts = s(["33", "4"], ["33", "3"], [False, False], [{}, {}])
+    assert total == [2.0, 2.0] and parts == [[1.0, 1.0], [0.5, 0.5], [2.0, 0.0], [3.0, 3.0], [1.0, 0.0]]
+    metrics = sample_metrics(torch.tensor(total), 2, [1, 1], [False, False], dict(zip(s.names, parts)))
+    assert (metrics["reward/f/len"], metrics["reward/f/hits"], metrics["reward/v/acc"]) == (3.0, 1.0, 0.5)
+    assert said == []
+    for _ in range(2):
+        s(["late"], ["3"], [False], [{}])
+    assert said == ["warning: logs_rw:f 'new' not plotted: a function's numbers are those its first call logs"]
     sys.modules.pop("logs_rw", None)

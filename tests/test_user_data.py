@@ -22,7 +22,8 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_gener
 
 TRL_REWARD = '''
 def correct(completions, solution, **kwargs):
-    """TRL's conversational form: each completion is a list of messages."""
+    """TRL's conversational form: each completion is a list of messages. Logs a number, as TRL 1.x lets it."""
+    kwargs["log_metric"]("rows", float(len(completions)))
     return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
 
 
@@ -89,6 +90,7 @@ def test_a_trl_conversational_dataset_with_trls_batched_reward_runs_unchanged(ch
     assert [r["step"] for r in recs] == [0, 1]
     assert max(r["reward/correct"] for r in recs) > 0  # the conversational completions were read
     assert all(0 <= r["reward/short"] <= 1 for r in recs)  # its None is left out of its mean, not NaN
+    assert [r["reward/correct/rows"] for r in recs] == [16.0, 16.0]  # what log_metric logged, averaged
     # trainer_state: the check on one row, the eval of version 0, steps 0 and 1, the eval of version 2
     assert (tmp_path / "steps.txt").read_text().split("\n") == ["0 2 1", "0 2 8", "0 2 16", "1 2 16", "2 2 8", ""]
     samples = [json.loads(line) for line in open(d / "samples.jsonl")]
@@ -96,7 +98,7 @@ def test_a_trl_conversational_dataset_with_trls_batched_reward_runs_unchanged(ch
     assert [s["step"] for s in trained] == [0, 0, 0, 1, 1, 1]
     for s in trained:
         assert set(s) == {"step", "split", "prompt", "completion", "reward", "rewards", "clipped"}
-        assert s["prompt"].endswith("#a=") and set(s["rewards"]) == {"correct", "short"}
+        assert s["prompt"].endswith("#a=") and set(s["rewards"]) == {"correct", "short", "correct/rows"}
         short = 0.0 if s["rewards"]["short"] != s["rewards"]["short"] else s["rewards"]["short"]
         assert s["reward"] == pytest.approx(s["rewards"]["correct"] + 0.1 * short)
     samples = [s for s in samples if "split" not in s]
@@ -120,7 +122,7 @@ def test_a_verl_row_file_parquet_and_jsonl_with_verls_compute_score_runs_unchang
     assert p.returncode == 0
     recs = records(d)
     assert [r["step"] for r in recs] == [0, 1] and max(r["reward_mean"] for r in recs) > 0
-    assert all(r["reward_mean"] == r["reward/compute_score"] for r in recs)
+    assert all(r["reward_mean"] == r["reward/compute_score"] == r["reward/compute_score/acc"] for r in recs)
 
 
 def test_parquet_json_and_jsonl_rows_load_alike_and_keep_every_column(chat_model, tmp_path):
