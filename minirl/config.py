@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class TaskConfig:
     """Held-out prompts scored greedily for `eval_accuracy`."""
     eval_path: str = ""
     """A file of held-out prompts, as --task.path (e.g. GSM8K test); empty = hold out part of --task.path."""
+    chat_template_kwargs: str = ""
+    """Variables for the chat template of chat prompts, as a JSON object, e.g. '{"enable_thinking": false}'
+    (Qwen3 without thinking); TRL's chat_template_kwargs, verl's apply_chat_template_kwargs."""
     answer_format: Literal["strict", "flexible"] = "strict"
     """The JSONL task's built-in reward: `strict` reads the number after the last `#### ` (GSM8K's format,
     verl's strict mode); `flexible` the last number anywhere (verl's flexible). A reference that is not a
@@ -124,7 +128,8 @@ class TaskConfig:
     def check(self) -> None:
         """The task's files exist; one given to the built-in task (which reads none) is a forgotten --task.name."""
         given = [flag for flag, v in (("--task.path", self.path), ("--task.eval-path", self.eval_path),
-                                      ("--task.answer-key", self.answer_key)) if v]
+                                      ("--task.answer-key", self.answer_key),
+                                      ("--task.chat-template-kwargs", self.chat_template_kwargs)) if v]
         if self.name == "count" and given:
             raise ConfigError(f"{given[0]} is for your own prompts, and --task.name is count, the built-in task, "
                               "which reads no file: add --task.name jsonl")
@@ -134,6 +139,18 @@ class TaskConfig:
         if self.eval_path and not os.path.isfile(self.eval_path):
             raise ConfigError(f"--task.eval-path={self.eval_path!r} is not a file; "
                               "give a JSONL or Parquet file or leave it empty")
+        self.template_kwargs()
+
+    def template_kwargs(self) -> dict:
+        """--task.chat-template-kwargs as the keywords of the tokenizer's apply_chat_template."""
+        try:
+            got = json.loads(self.chat_template_kwargs or "{}")
+        except json.JSONDecodeError as e:
+            got = e
+        if not isinstance(got, dict):
+            raise ConfigError(f"--task.chat-template-kwargs={self.chat_template_kwargs!r} is not a JSON object; "
+                              "give one such as '{\"enable_thinking\": false}'")
+        return got
 
 
 @dataclass

@@ -100,7 +100,8 @@ ELSEWHERE = {
     "output_dir": "--log.run-dir", "save_steps": "--checkpoint.every", "save_freq": "--checkpoint.every",
     "save_total_limit": "--checkpoint.keep", "eval_steps": "--log.eval-every", "test_freq": "--log.eval-every",
     "reward_funcs": "--task.reward", "model_name_or_path": "--model.path", "train_files": "--task.path",
-    "val_files": "--task.eval-path"}
+    "val_files": "--task.eval-path", "chat_template_kwargs": "--task.chat-template-kwargs",
+    "apply_chat_template_kwargs": "--task.chat-template-kwargs"}
 
 
 def elsewhere(name: str, loop: str) -> str:

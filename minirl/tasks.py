@@ -99,12 +99,13 @@ class JsonlTask:
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
-                 answer_key: str = "", needs_answer: bool = True):
+                 answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
-        rows = self._read(path, "--task.path", tok, limit, keys, needs_answer)
+        self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
+        rows = self._read(path, "--task.path", limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
-            self.eval_set = self._read(eval_path, "--task.eval-path", tok, limit, keys, needs_answer)[:eval_prompts]
+            self.eval_set = self._read(eval_path, "--task.eval-path", limit, keys, needs_answer)[:eval_prompts]
             self.rows = rows
         else:
             k = min(eval_prompts, len(rows) // 5)
@@ -119,18 +120,17 @@ class JsonlTask:
         if not self.rows:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
-    @classmethod
-    def _read(cls, path: str, flag: str, tok, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
-        rows = []
+    def _read(self, path: str, flag: str, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
+        rows, tok = [], self.tok
         for where, r in _records(path, flag):
             if not isinstance(r, dict):
                 raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
                                   f"{type(r).__name__}")
-            prompt = _prompt_text(r, tok, where)
+            prompt = _prompt_text(r, tok, self.template_kwargs, where)
             if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
                 raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                   "raise the flag or shorten the prompt")
-            rows.append(Problem(prompt, cls._reference(_answer(r, keys, where, needed)), r))
+            rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
         return rows
 
     @staticmethod
@@ -180,8 +180,9 @@ def _records(path: str, flag: str):
                 raise ConfigError(f"{flag}: {path}:{n}: not JSON ({e})") from e
 
 
-def _prompt_text(row: dict, tok, where: str) -> str:
-    """A row's prompt as the engine's text: itself, or chat messages through the tokenizer's template."""
+def _prompt_text(row: dict, tok, template_kwargs: dict, where: str) -> str:
+    """A row's prompt as the engine's text: itself, or chat messages through the tokenizer's template (with
+    --task.chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
     prompt = row.get("prompt")
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -198,7 +199,7 @@ def _prompt_text(row: dict, tok, where: str) -> str:
                           "template to render them; give the prompt as text, or a model with a template")
     prefill = prompt[-1]["role"] == "assistant"  # "<think>": continued, as trl.apply_chat_template does
     return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
-                                   continue_final_message=prefill)
+                                   continue_final_message=prefill, **template_kwargs)
 
 
 def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:
@@ -305,7 +306,8 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
         task = CountTask(seed, cfg.eval_prompts)
     else:
         task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key,
-                         needs_answer=any(kind != "trl" for kind in scorer.kinds))
+                         needs_answer=any(kind != "trl" for kind in scorer.kinds),
+                         template_kwargs=cfg.template_kwargs())
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")

@@ -151,6 +151,29 @@ def test_a_prompt_ending_in_an_assistant_message_is_continued_as_trl_continues_i
     assert sorted(p.prompt for p in task.rows) == sorted(q.prompt for q in problems(5) * 2)
 
 
+def test_the_chat_templates_variables_reach_it_as_trl_and_verl_pass_them(chat_model, tmp_path):
+    """Qwen3's template thinks unless `enable_thinking` is false: TRL's `chat_template_kwargs` and verl's
+    `data.apply_chat_template_kwargs` set it, and minirl had no way to. A value that is not a JSON object, or one
+    given to the built-in task (which renders no chat), fails at the check naming the flag."""
+    (chat_model.parent / "think").mkdir(exist_ok=True)
+    model = chat_model.parent / "think" / "model"
+    if not model.exists():
+        shutil.copytree(chat_model, model)
+        (model / "chat_template.jinja").write_text(
+            TEMPLATE + "{% if enable_thinking is defined and enable_thinking is false %}{% else %}#{% endif %}")
+    data = write_jsonl(tmp_path / "chat.jsonl", trl_rows(5))
+    tok = load_tokenizer(str(model))
+    plain, quiet = (make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, chat_template_kwargs=kw), 0,
+                              tok, 32) for kw in ("", '{"enable_thinking": false}'))
+    assert sorted(p.prompt for p in quiet.rows) == sorted(q.prompt for q in problems(5))
+    assert sorted(p.prompt for p in plain.rows) == sorted(q.prompt + "#" for q in problems(5))
+    for kw in ("enable_thinking=false", "[1]"):
+        with pytest.raises(ConfigError, match=r"--task.chat-template-kwargs=.* is not a JSON object; give one such"):
+            TaskConfig(name="jsonl", path=str(data), chat_template_kwargs=kw).check()
+    with pytest.raises(ConfigError, match="--task.chat-template-kwargs is for your own prompts"):
+        TaskConfig(chat_template_kwargs='{"enable_thinking": false}').check()
+
+
 def test_trls_quickstart_rows_without_an_answer_load_for_a_trl_function_alone(tmp_path):
     """TRL's GRPO quickstart trains on `trl-lib/tldr` (`prompt` and `completion` columns, no answer) with a length
     reward: a TRL function reads its own columns, so no answer is needed; minirl's and verl's forms need one."""
