@@ -145,8 +145,8 @@ class TaskConfig:
         """--task.chat-template-kwargs as the keywords of the tokenizer's apply_chat_template."""
         try:
             got = json.loads(self.chat_template_kwargs or "{}")
-        except json.JSONDecodeError as e:
-            got = e
+        except json.JSONDecodeError:
+            got = None
         if not isinstance(got, dict):
             raise ConfigError(f"--task.chat-template-kwargs={self.chat_template_kwargs!r} is not a JSON object; "
                               "give one such as '{\"enable_thinking\": false}'")
