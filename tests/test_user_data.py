@@ -174,6 +174,23 @@ def test_the_chat_templates_variables_reach_it_as_trl_and_verl_pass_them(chat_mo
         TaskConfig(chat_template_kwargs='{"enable_thinking": false}').check()
 
 
+def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verls_function(chat_model, tmp_path,
+                                                                                           capsys):
+    """verl picks a row's score by its `data_source` (MATH's `\\boxed{}`, DAPO's `Answer:`); the built-in reward reads
+    GSM8K's `#### N` and paid 0 on every row of such a file without a word until the tenth batch. The load says
+    where verl's functions are (each file of verl/utils/reward_score/ runs here as it is: math_reward.py and
+    math_dapo.py were tried); GSM8K rows, or a --task.reward, are told nothing."""
+    tok = load_tokenizer(str(chat_model))
+    for source, reward, said in (("lighteval/MATH", [], True), ("openai/gsm8k", [], False),
+                                 ("lighteval/MATH", ["minirl.rewards:gsm8k"], False)):
+        rows = [{**r, "data_source": source} for r in verl_rows(10, "train")]
+        data = write_jsonl(tmp_path / "rows.jsonl", rows)
+        make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=reward), 0, tok, 32)
+        out = capsys.readouterr().out
+        assert ("its rows are of verl's data source 'lighteval/MATH'" in out and "math_reward.py for MATH" in out
+                and "--task.reward path/to/that/file.py:compute_score" in out) == said, (source, reward, out)
+
+
 def test_trls_quickstart_rows_without_an_answer_load_for_a_trl_function_alone(tmp_path):
     """TRL's GRPO quickstart trains on `trl-lib/tldr` (`prompt` and `completion` columns, no answer) with a length
     reward: a TRL function reads its own columns, so no answer is needed; minirl's and verl's forms need one."""
