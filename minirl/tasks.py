@@ -319,8 +319,8 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     other = [s for s in sources if "gsm8k" not in s.lower()]  # verl scores GSM8K as the built-in reward does
     if other and not cfg.reward and int(os.environ.get("RANK", 0)) == 0:
         print(f"--task.path={cfg.path!r}: its rows are of verl's data source {other[0]!r}, which verl scores by a "
-              "function of its own, and the built-in reward reads GSM8K's `#### N`. verl's run here as they are "
-              "(verl/utils/reward_score/: math_reward.py for MATH, math_dapo.py for DAPO and AIME): --task.reward "
+              "function of its own, and the built-in reward reads GSM8K's `#### N`. verl's scorer runs here as it is "
+              "(in verl/utils/reward_score/: math_reward.py for MATH, math_dapo.py for DAPO and AIME): --task.reward "
               "path/to/that/file.py:compute_score", flush=True)
     return task
 

@@ -178,8 +178,8 @@ def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verl
                                                                                            capsys):
     """verl picks a row's score by its `data_source` (MATH's `\\boxed{}`, DAPO's `Answer:`); the built-in reward reads
     GSM8K's `#### N` and paid 0 on every row of such a file without a word until the tenth batch. The load says
-    where verl's functions are (each file of verl/utils/reward_score/ runs here as it is: math_reward.py and
-    math_dapo.py were tried); GSM8K rows, or a --task.reward, are told nothing."""
+    where verl's scorer is (math_reward.py and math_dapo.py of verl/utils/reward_score/ run here as they are);
+    GSM8K rows, or a --task.reward, are told nothing."""
     tok = load_tokenizer(str(chat_model))
     for source, reward, said in (("lighteval/MATH", [], True), ("openai/gsm8k", [], False),
                                  ("lighteval/MATH", ["minirl.rewards:gsm8k"], False)):
