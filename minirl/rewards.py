@@ -153,12 +153,14 @@ def load(spec: str) -> Callable:
 
 def kind(fn: Callable) -> str:
     """Which way a reward function is called, decided once from its parameters' names: verl's
-    compute_score (`solution_str` or `ground_truth`), TRL's batched form (`completions`), or minirl's."""
+    compute_score (`solution_str`), TRL's batched form (`completions`), or minirl's, by position (as
+    verl calls its own scorers of a data source, which name the completion otherwise: geo3k.py's
+    `predict_str`, math_verify.py's `model_output`)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: called as minirl's
         return "minirl"
-    return "verl" if {"solution_str", "ground_truth"} & set(params) else "trl" if "completions" in params else "minirl"
+    return "verl" if "solution_str" in params else "trl" if "completions" in params else "minirl"
 
 
 class Scorer:

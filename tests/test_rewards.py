@@ -424,18 +424,22 @@ def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_th
 
 def test_each_form_gets_the_keywords_it_takes_and_numbers_of_any_kind_count(tmp_path, monkeypatch):
     """A TRL function that reads its columns through **kwargs gets them all; a verl function without
-    `extra_info` is not handed one; a reward returned as a numpy or torch scalar is a number."""
+    `extra_info` is not handed one; verl's scorer of a data source that names the completion otherwise
+    (geo3k.py's `predict_str`: verl calls it by position) is called by position, it was refused for a
+    missing `predict_str`; a reward returned as a numpy or torch scalar is a number."""
     (tmp_path / "kw_rw.py").write_text(
         "import numpy, torch\n"
         "def trl_kwargs(completions, **kwargs):\n    return [float(c == a) for c, a in zip(completions, kwargs['answer'])]\n"
         "def verl_plain(data_source, solution_str, ground_truth):\n    return float(solution_str == ground_truth)\n"
         "def as_numpy(completion, answer):\n    return numpy.float32(completion == answer)\n"
-        "def as_torch(completion, answer):\n    return torch.tensor(float(completion == answer))\n")
+        "def as_torch(completion, answer):\n    return torch.tensor(float(completion == answer))\n"
+        "def geo3k(predict_str: str, ground_truth: str, use_boxed: bool = True, format_score: float = 0.1) -> float:\n"
+        "    return float(predict_str == ground_truth)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    s = Scorer(["kw_rw:trl_kwargs", "kw_rw:verl_plain", "kw_rw:as_numpy", "kw_rw:as_torch"], [])
+    s = Scorer(["kw_rw:trl_kwargs", "kw_rw:verl_plain", "kw_rw:as_numpy", "kw_rw:as_torch", "kw_rw:geo3k"], [])
     rows = [{"prompt": "q", "answer": a} for a in ("3", "4")]
     total, parts = s(["3", "5"], ["3", "4"], [False, False], rows)
-    assert parts == [[1.0, 0.0]] * 4 and total == [4.0, 0.0]
+    assert parts == [[1.0, 0.0]] * 5 and total == [5.0, 0.0] and s.kinds[1:] == ["verl", "minirl", "minirl", "minirl"]
     assert rewards.RewardError("f", "on", "why").code == 1 and rewards.RewardTimeout("f", "on", "why").code == 2
 
 
