@@ -131,21 +131,25 @@ def load(spec: str) -> Callable:
                           "pkg.module.function, or path/to/file.py:function)")
     if os.getcwd() not in sys.path:  # console scripts do not put it there; `python -m` does
         sys.path.insert(0, os.getcwd())
+    as_name = f"minirl_reward_{abs(hash(os.path.abspath(module)))}" if module.endswith(".py") else module
     try:
-        if module.endswith(".py"):
-            found = importlib.util.spec_from_file_location(f"minirl_reward_{abs(hash(os.path.abspath(module)))}",
-                                                           module)
-            mod = importlib.util.module_from_spec(found)
-            found.loader.exec_module(mod)
-            fn = getattr(mod, name)
-        else:
-            fn = pkgutil.resolve_name(spec)
+        if as_name not in sys.modules and module.endswith(".py"):  # a file: imported once, as `import` would
+            found = importlib.util.spec_from_file_location(as_name, module)
+            sys.modules[as_name] = importlib.util.module_from_spec(found)  # first: dataclasses look it up there
+            try:
+                found.loader.exec_module(sys.modules[as_name])
+            except BaseException:
+                del sys.modules[as_name]
+                raise
+        importlib.import_module(as_name)
     except (ImportError, FileNotFoundError) as e:
         raise ConfigError(f"--task.reward={spec!r}: cannot import {module} ({e}); is it on PYTHONPATH?") from e
-    except AttributeError:
-        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}") from None
     except (Exception, SystemExit) as e:  # a syntax error, or the module raised while it was imported
         raise ConfigError(f"--task.reward={spec!r}: importing {module} failed: {type(e).__name__}: {e}") from e
+    try:
+        fn = pkgutil.resolve_name(f"{as_name}:{name}")
+    except AttributeError:
+        raise ConfigError(f"--task.reward={spec!r}: {module} has no {name}") from None
     if not callable(fn):
         raise ConfigError(f"--task.reward={spec!r} is not a function")
     return fn

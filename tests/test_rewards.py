@@ -325,6 +325,24 @@ def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch)
         rewards.load("broken_rw:f")
 
 
+def test_a_reward_file_is_imported_as_import_would_so_its_dataclasses_work_and_its_errors_are_its_own(tmp_path):
+    """A file named by path was run as a module `import` never registers: a @dataclass in it under `from __future__
+    import annotations` failed (dataclasses look the module up), and was reported as "has no f". It is imported
+    once, registered, for every spec naming it; what its import raises is said as such."""
+    (tmp_path / "dc_rw.py").write_text(
+        "from __future__ import annotations\nimport dataclasses, typing\nruns = []\nruns.append(1)\n"
+        "@dataclasses.dataclass\nclass Parsed:\n    limit: typing.ClassVar[int] = 3\n    text: str = ''\n"
+        "def f(completion, answer):\n    return float(Parsed(completion).text == answer)\n"
+        "def g(completion, answer):\n    return float(len(runs))\n")
+    (tmp_path / "attr_rw.py").write_text("import os\nos.no_such_thing\ndef f(completion, answer):\n    return 1.0\n")
+    s = Scorer([f"{tmp_path}/dc_rw.py:f", f"{tmp_path}/dc_rw.py:g"], [])
+    assert s(["3", "4"], ["3", "3"], [False, False])[1] == [[1.0, 0.0], [1.0, 1.0]]  # imported once: one run
+    with pytest.raises(ConfigError, match=r"importing .*attr_rw.py failed: AttributeError: module 'os' has no"):
+        rewards.load(f"{tmp_path}/attr_rw.py:f")
+    with pytest.raises(ConfigError, match=r"dc_rw.py has no h$"):
+        rewards.load(f"{tmp_path}/dc_rw.py:h")
+
+
 def test_a_reward_module_in_the_working_directory_is_found_as_with_python_m(tmp_path, monkeypatch):
     (tmp_path / "here_rw.py").write_text("def f(completion, answer):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
