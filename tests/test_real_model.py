@@ -117,30 +117,3 @@ def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, ari
     assert len(rec) == 1 and "ppo_loss" in rec[0] and rec[0]["value_epoch_n"] == 4 and rec[0]["ppo_chunks"] >= 1
     assert (tmp_path / "final" / "model.safetensors").exists()
 
-
-def test_builders_started_at_once_build_the_folder_once(tmp_path):
-    """Three builders of one folder at once: one builds it (a stand-in build that takes a second), the
-    others wait for it and return its folder; none deletes what another wrote."""
-    import importlib.util
-    import threading
-    import time
-    spec = importlib.util.spec_from_file_location("prepare_smollm2", os.path.join(ROOT, "recipes", "prepare_smollm2.py"))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
-    built = []
-
-    def slow_build(out, parent):
-        built.append(out)
-        time.sleep(1)
-        os.makedirs(out)
-        open(os.path.join(out, "model.safetensors"), "w").close()
-
-    prepare._build = slow_build
-    out = str(tmp_path / "model")
-    found = []
-    builders = [threading.Thread(target=lambda: found.append(prepare.build(out))) for _ in range(3)]
-    for b in builders:
-        b.start()
-    for b in builders:
-        b.join()
-    assert built == [out] and found == [out] * 3
