@@ -116,4 +116,3 @@ def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, ari
     rec = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
     assert len(rec) == 1 and "ppo_loss" in rec[0] and rec[0]["value_epoch_n"] == 4 and rec[0]["ppo_chunks"] >= 1
     assert (tmp_path / "final" / "model.safetensors").exists()
-
