@@ -233,8 +233,9 @@ class Scorer:
                                 log_metric=lambda name, value: metrics.setdefault(name, []).append(value),
                                 log_extra=lambda name, values: [log(name, r, v) for r, v in enumerate(values)])
                     for name, values in metrics.items():  # TRL's log_metric: a number per call, the calls' mean
+                        mean = sum(values) / len(values)
                         for r in range(len(texts)):
-                            log(name, r, sum(values) / len(values))
+                            log(name, r, mean)
                     # TRL iterates what it gets: a list, a tuple, a NumPy array, a tensor, a generator
                     values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
                     if len(values) != len(texts):
