@@ -40,7 +40,9 @@ class RunLog:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 raise ConfigError("--log.tensorboard needs TensorBoard: pip install -e '.[tensorboard]'") from e
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # TensorBoard shows what metrics.jsonl keeps: the events from `start_step` on that an earlier run
+            # left here (past its checkpoint, or a whole run a fresh one replaces) are purged from its view
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step)
         if enabled and wandb_project:
             try:
                 import wandb

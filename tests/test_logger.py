@@ -142,6 +142,24 @@ def test_tensorboard_gets_each_records_numbers_with_the_real_package(tmp_path):
         assert not (d / "tensorboard").exists()
 
 
+def test_tensorboard_shows_the_steps_metrics_jsonl_keeps_after_a_resume_or_a_fresh_start(tmp_path):
+    """A run stopped after step 4 resumes from its step-3 checkpoint: TensorBoard shows steps 3 and 4 once, the
+    resumed run's (SummaryWriter's purge_step), as metrics.jsonl keeps them; a fresh run in the same folder
+    replaces them all, as it starts metrics.jsonl afresh."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for start, value, steps in ((0, 9.0, range(6)), (0, 1.0, range(5)), (3, 2.0, range(3, 5))):
+        log = RunLog(str(tmp_path), enabled=True, tensorboard=True, start_step=start)
+        for s in steps:
+            log.write({"step": s, "reward_mean": value})
+        log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 2.0),
+                                                                          (4, 2.0)]
+    assert [json.loads(line)["reward_mean"] for line in open(tmp_path / "metrics.jsonl")] == [1.0] * 3 + [2.0] * 2
+
+
 def test_a_resumed_history_that_is_not_utf8_is_refused_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0, "note": "caf\xe9"}\n')
     with pytest.raises(ConfigError, match=r"metrics\.jsonl: not UTF-8 text .* move it aside"):
