@@ -9,6 +9,7 @@ built, so a bad flag fails in a second with a message that names it; the checks 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import json
 import math
@@ -92,13 +93,20 @@ class RolloutConfig:
         return self.max_prompt_tokens + self.max_tokens
 
 
+def data_files(path: str) -> list[str]:
+    """The files --task.path or --task.eval-path names: the file itself, or every file a pattern matches, in
+    name order."""
+    return [path] if os.path.isfile(path) else sorted(p for p in glob.glob(path) if os.path.isfile(p))
+
+
 @dataclass
 class TaskConfig:
     name: Literal["count", "jsonl"] = "count"
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
     """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a JSON array or .parquet file of such
-    rows (for --task.name jsonl). A prompt is text or chat messages [{"role": ..., "content": ...}]
+    rows (for --task.name jsonl); a quoted pattern reads every file it matches, in name order (a hub dataset's
+    shards: 'gsm8k/main/train-*.parquet'). A prompt is text or chat messages [{"role": ..., "content": ...}]
     (rendered by the model's chat template); the answer is a string or a number."""
     answer_key: str = ""
     """The column holding the reference answer, dotted for a nested one (verl: reward_model.ground_truth);
@@ -133,12 +141,18 @@ class TaskConfig:
         if self.name == "count" and given:
             raise ConfigError(f"{given[0]} is for your own prompts, and --task.name is count, the built-in task, "
                               "which reads no file: add --task.name jsonl")
-        if self.name == "jsonl" and not os.path.isfile(self.path):
-            raise ConfigError(f"--task.path={self.path!r} is not a file; give a JSONL or Parquet prompt file "
-                              "or use --task.name count")
-        if self.eval_path and not os.path.isfile(self.eval_path):
-            raise ConfigError(f"--task.eval-path={self.eval_path!r} is not a file; "
-                              "give a JSONL or Parquet file or leave it empty")
+        for flag, path, needed, split in (("--task.path", self.path, self.name == "jsonl", "train"),
+                                          ("--task.eval-path", self.eval_path, False, "test")):
+            if (needed or path) and not data_files(path):
+                # a downloaded dataset's folder: name one of its data files, of the flag's split first
+                inside = sorted((p for p in glob.glob(os.path.join(path, "**"), recursive=True)
+                                 if p.endswith((".parquet", ".jsonl"))), key=lambda p: (split not in p, p))
+                what = (f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern "
+                        f"({os.path.join(os.path.dirname(inside[0]), split + '-*' + os.path.splitext(inside[0])[1])!r})"
+                        if inside else
+                        "not a file, nor a pattern that matches one")
+                raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL or Parquet file"
+                                  + (" or use --task.name count" if needed else " or leave it empty"))
         self.template_kwargs()
 
     def template_kwargs(self) -> dict:

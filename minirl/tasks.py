@@ -2,8 +2,9 @@
 
 - `CountTask` (built in): "how many a's?" e.g. `abbab#a=` -> `2`; problems are a pure function of
   (seed, index), and a string is held out iff its hash says so, so eval accuracy is honest.
-- `JsonlTask`: JSONL or Parquet rows as TRL and verl users have them (text or chat prompts; the answer
-  under `answer`, `solution` or a named key; GSM8K's `#### 42` cut to the number).
+- `JsonlTask`: JSONL or Parquet rows as TRL and verl users have them, from a file or from every file a
+  pattern matches in name order (a hub dataset's shards); text or chat prompts, the answer under
+  `answer`, `solution` or a named key, GSM8K's `#### 42` cut to the number.
 - `make_task` gives every task its `scorer` (rewards.py); `held_out` scores greedy completions with it.
 - `build_tiny`: a Qwen2 with a character-level tokenizer (no download), warm-started roughly on the
   task, built once into minirl's cache folder.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minirl import dist, rewards
-from minirl.config import ConfigError, TaskConfig, TinyModelConfig
+from minirl.config import ConfigError, TaskConfig, TinyModelConfig, data_files
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
 
@@ -122,15 +123,16 @@ class JsonlTask:
 
     def _read(self, path: str, flag: str, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
         rows, tok = [], self.tok
-        for where, r in _records(path, flag):
-            if not isinstance(r, dict):
-                raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
-                                  f"{type(r).__name__}")
-            prompt = _prompt_text(r, tok, self.template_kwargs, where)
-            if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
-                raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
-                                  "raise the flag or shorten the prompt")
-            rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
+        for file in data_files(path):  # a pattern's files, in name order
+            for where, r in _records(file, flag):
+                if not isinstance(r, dict):
+                    raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
+                                      f"{type(r).__name__}")
+                prompt = _prompt_text(r, tok, self.template_kwargs, where)
+                if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
+                    raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
+                                      "raise the flag or shorten the prompt")
+                rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
         return rows
 
     @staticmethod

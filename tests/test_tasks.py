@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from minirl.config import ConfigError, TaskConfig
+from minirl.config import ConfigError, TaskConfig, data_files
 from minirl.tasks import CountTask, JsonlTask, dp_partition, make_task, prompt_id
 
 
@@ -240,6 +240,36 @@ def test_a_parquet_file_is_read_by_its_magic_bytes_whatever_its_name(tmp_path):
                    path)
     task = JsonlTask(str(path), 0, 2)
     assert sorted(p.answer for p in task.rows + task.eval_set) == sorted(str(i) for i in range(10))
+
+
+def test_a_pattern_reads_a_hub_datasets_shards_in_name_order_and_a_folder_is_told_what_to_name(tmp_path):
+    """A dataset downloaded from the hub is a folder of shards (`data/train-00000-of-00002.parquet`, ...): a quoted
+    pattern reads every file it matches, in name order, as one file of all their rows; the folder itself, or a
+    pattern that matches nothing, is refused at the check naming what to give."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    data = tmp_path / "hub" / "data"
+    data.mkdir(parents=True)
+    for shard, rows in ((1, range(5, 10)), (0, range(5))):  # written out of order: read in name order
+        pq.write_table(pyarrow.table({"prompt": [f"q{i}" for i in rows], "answer": [str(i) for i in rows]}),
+                       data / f"train-0000{shard}-of-00002.parquet")
+    pq.write_table(pyarrow.table({"prompt": ["t"], "answer": ["0"]}), data / "test-00000-of-00001.parquet")
+    cfg = TaskConfig(name="jsonl", path=str(data / "train-*.parquet"), eval_path=str(data / "test-*.parquet"))
+    cfg.check()
+    task = JsonlTask(cfg.path, 0, 2, cfg.eval_path)
+    assert sorted(int(p.answer) for p in task.rows) == list(range(10)) and [p.prompt for p in task.eval_set] == ["t"]
+    shard = data / "train-00000-of-00002.parquet"
+    assert data_files(cfg.path) == [str(shard), str(data / "train-00001-of-00002.parquet")]
+    for path, says in ((tmp_path / "hub", f"is a folder: name a file in it ({str(shard)!r}) or its shards by a "
+                                          f"quoted pattern ({str(data / 'train-*.parquet')!r})"),
+                       (data / "valid-*.parquet", "is not a file, nor a pattern that matches one")):
+        with pytest.raises(ConfigError, match=re.escape(f"--task.path={str(path)!r} {says}; give a JSONL")):
+            TaskConfig(name="jsonl", path=str(path)).check()
+    with pytest.raises(ConfigError, match=r"--task.eval-path='nope\*' is not a file.* or leave it empty"):
+        TaskConfig(name="jsonl", path=cfg.path, eval_path="nope*").check()
+    with pytest.raises(ConfigError, match=re.escape(f"({str(data / 'test-00000-of-00001.parquet')!r}) or its shards "
+                                                    f"by a quoted pattern ({str(data / 'test-*.parquet')!r})")):
+        TaskConfig(name="jsonl", path=cfg.path, eval_path=str(tmp_path / "hub")).check()
 
 
 class _ChatTok:
