@@ -83,15 +83,16 @@ class _Unique(yaml.SafeLoader):
         return _unique(super().construct_mapping(node, deep), [self.construct_object(k) for k, _ in node.value])
 
 
-# TRL's and verl's names for a setting (the last part of a dotted name, `_` for `-`) -> minirl's flag;
-# "{opt}" is the loop's optimizer group. The whole table, with each library's full names: docs/flags.md.
+# TRL's and verl's names for a setting (the last part of a dotted name, `_` for `-`) -> minirl's flag, where minirl
+# names it otherwise; "{opt}" is the loop's optimizer group. The whole table, with the libraries' full names:
+# docs/flags.md.
 ELSEWHERE = {
     "learning_rate": "--{opt}.lr", "beta": "--{opt}.kl-coef", "kl_loss_coef": "--{opt}.kl-coef",
     "kl_loss_type": "--{opt}.kl-estimator", "kl_penalty": "--{opt}.kl-estimator", "epsilon": "--{opt}.clip-eps",
     "clip_ratio": "--{opt}.clip-eps", "epsilon_high": "--{opt}.clip-eps-high", "clip_ratio_high": "--{opt}.clip-eps-high",
     "clip_ratio_c": "--{opt}.dual-clip", "entropy_coeff": "--{opt}.entropy-coef", "loss_type": "--{opt}.loss-agg-mode",
-    "loss_agg_mode": "--{opt}.loss-agg-mode", "warmup_steps": "--{opt}.lr-warmup-steps",
-    "lr_scheduler_type": "--{opt}.lr-schedule", "max_grad_norm": "--{opt}.max-grad-norm", "grad_clip": "--{opt}.max-grad-norm",
+    "warmup_steps": "--{opt}.lr-warmup-steps", "lr_scheduler_type": "--{opt}.lr-schedule",
+    "grad_clip": "--{opt}.max-grad-norm",
     "num_generations": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
     "n": {"grpo": "--rl.group-size", "ppo": "--ppo.num-generations-per-prompt"},
     "num_iterations": {"grpo": "--rl.mu-iterations", "ppo": "--ppo.ppo-epochs"},
@@ -100,23 +101,27 @@ ELSEWHERE = {
     "output_dir": "--log.run-dir", "save_steps": "--checkpoint.every", "save_freq": "--checkpoint.every",
     "save_total_limit": "--checkpoint.keep", "eval_steps": "--log.eval-every", "test_freq": "--log.eval-every",
     "reward_funcs": "--task.reward", "model_name_or_path": "--model.path", "train_files": "--task.path",
-    "val_files": "--task.eval-path", "chat_template_kwargs": "--task.chat-template-kwargs",
-    "apply_chat_template_kwargs": "--task.chat-template-kwargs"}
+    "val_files": "--task.eval-path", "apply_chat_template_kwargs": "--task.chat-template-kwargs"}
 
 
-def elsewhere(name: str, loop: str) -> str:
-    """A hint for a flag or config key minirl does not have but TRL or verl does ('' if none)."""
-    hint = ELSEWHERE.get(name.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_"))
+def elsewhere(name: str, command) -> str:
+    """A hint for a flag or config key the dataclass `command` lacks: its flag of that name in another group
+    (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for a TRL or
+    verl one ('' if none)."""
+    key, loop = name.lstrip("-").split("=")[0].split(".")[-1], getattr(command, "LOOP", "")
+    same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == key.replace("_", "-"))
+    hint = " or ".join(same) or ELSEWHERE.get(key.replace("-", "_"), "")
     if isinstance(hint, dict):
         hint = hint.get(loop, "")
     return f"; did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')} (TRL's and verl's names: " \
            "docs/flags.md)?" if hint else ""
 
 
-def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", loop: str = ""):
+def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", command=None):
     """`instance` with the values of `data` (nested dicts), each checked as its flag's parser would.
-    `lenient`: skip keys this command lacks; `skip`: flags never taken from a file; `loop`: for the hint
-    naming minirl's flag for a TRL or verl key."""
+    `lenient`: skip keys this command lacks; `skip`: flags never taken from a file; `command`: the whole
+    command's dataclass (default: `instance`'s), where the hint for an unknown key looks."""
+    command = command or type(instance)
     fields = {f.name: f for f in dataclasses.fields(instance)}
     types = typing.get_type_hints(type(instance))
     seen: dict[str, str] = {}
@@ -133,11 +138,11 @@ def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset
                 continue
             nest = f"; keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}" if "." in key else ""
             raise ConfigError(f"--config: {where}{key} is not a flag of this command (see --help){nest}"
-                              f"{elsewhere(key, loop)}")
+                              f"{elsewhere(key, command)}")
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
-            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", loop)
+            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", command)
         else:
             setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
     return instance
@@ -208,7 +213,7 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
         unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
-        hint = elsewhere(a, getattr(cls, "LOOP", "")) if unknown else ""
+        hint = elsewhere(a, cls) if unknown else ""
         if hint:
             raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{hint}")
     default = cls()
@@ -216,7 +221,7 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
-            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN}, loop=getattr(cls, "LOOP", ""))
+            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN})
             default.config = path
             break
     return tyro.cli(cls, args=argv, default=default, description=description)

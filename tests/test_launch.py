@@ -291,6 +291,13 @@ def test_trl_and_verl_names_get_minirls_flag(argv, says):
     ("rl.lr: 1e-4\n", "rl.lr is not a flag of this command (see --help); keys nest: write rl: {lr: ...}"),
     ("rl:\n  learning_rate: 1e-4\n", "rl.learning_rate is not a flag of this command (see --help); did you mean "
                                      "--rl.lr"),
+    # TRL's config files are flat: a key minirl has under another group is named there
+    ("temperature: 0.7\n", "temperature is not a flag of this command (see --help); did you mean "
+                           "--rollout.temperature"),
+    ("max_grad_norm: 1.0\n", "did you mean --rl.max-grad-norm"),
+    ("chat_template_kwargs: {}\n", "did you mean --task.chat-template-kwargs"),
+    ("rl:\n  seed: 1\n", "rl.seed is not a flag of this command (see --help); did you mean --seed "),
+    ("every: 5\n", "did you mean --checkpoint.every or --log.every "),
 ])
 def test_a_config_file_with_a_dotted_or_trl_key_says_what_to_write(tmp_path, text, says):
     from minirl.config_grpo import GRPOArgs
