@@ -1,8 +1,9 @@
 """A command's flags: tyro's for its dataclass, with `--config FILE` beneath them.
 
 `--config FILE` (YAML or JSON, nested like the flags) gives the defaults and the flags beside it win,
-so a run's own config.json reruns that run. An unknown key or a value its flag would refuse is an
-error naming it, with minirl's name for a TRL or verl one. A file never sets the run's own switches
+so a run's own config.json reruns that run. A value its flag would refuse is an error naming it; so are
+the unknown keys, all at once (each key inside a group minirl lacks), with minirl's name for a TRL or verl
+one, and verl's Hydra overrides (key=value) given as arguments. A file never sets the run's own switches
 (run dir, overwrite, resume, checkpoint dir); aliases, deep nesting, a key given twice and files over
 64 KiB are refused before anything is expanded.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import typing
 
@@ -101,27 +103,41 @@ ELSEWHERE = {
     "output_dir": "--log.run-dir", "save_steps": "--checkpoint.every", "save_freq": "--checkpoint.every",
     "save_total_limit": "--checkpoint.keep", "eval_steps": "--log.eval-every", "test_freq": "--log.eval-every",
     "reward_funcs": "--task.reward", "model_name_or_path": "--model.path", "train_files": "--task.path",
-    "val_files": "--task.eval-path", "apply_chat_template_kwargs": "--task.chat-template-kwargs"}
+    "val_files": "--task.eval-path", "apply_chat_template_kwargs": "--task.chat-template-kwargs",
+    "bf16": "--model.dtype bfloat16", "gradient_checkpointing": "--model.activation-checkpointing",
+    "enable_gradient_checkpointing": "--model.activation-checkpointing", "use_remove_padding": "--model.packing",
+    "logging_steps": "--log.every", "report_to": "--log.wandb-project or --log.tensorboard",
+    "logger": "--log.wandb-project or --log.tensorboard",
+    "vllm_gpu_memory_utilization": "--rollout.gpu-memory-utilization",
+    "scale_rewards": {"grpo": "--rl.scale-by-std"}, "norm_adv_by_std_in_grpo": {"grpo": "--rl.scale-by-std"},
+    "ppo_epochs": {"grpo": "--rl.mu-iterations"}, "ppo_mini_batch_size": {"grpo": "--rl.mini-batch-per-replica"},
+    "ppo_micro_batch_size_per_gpu": {"grpo": "--rl.micro-batch-per-replica", "ppo": "--ppo.policy-micro-batch-rows"},
+    "ppo_max_token_len_per_gpu": {"grpo": "--rl.max-tokens-per-micro-batch"},
+    "train_batch_size": {"ppo": "--ppo.num-prompts-per-step"}}
 
 
 def elsewhere(name: str, command) -> str:
-    """A hint for a flag or config key the dataclass `command` lacks: its flag of that name in another group
-    (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for a TRL or
-    verl one ('' if none)."""
-    key, loop = name.lstrip("-").split("=")[0].split(".")[-1], getattr(command, "LOOP", "")
-    same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == key.replace("_", "-"))
-    hint = " or ".join(same) or ELSEWHERE.get(key.replace("-", "_"), "")
+    """minirl's flag for a flag or config key the dataclass `command` lacks: its flag of that name in another
+    group (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for a TRL
+    or verl one ('' if none)."""
+    parts, loop = name.lstrip("-").split("=")[0].replace("_", "-").split("."), getattr(command, "LOOP", "")
+    same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == parts[-1])
+    same = [f for f in same if f.endswith(".".join(parts[-2:]))] or same  # verl's model.path: --model.path
+    hint = " or ".join(same) or ELSEWHERE.get(parts[-1].replace("-", "_"), "")
     if isinstance(hint, dict):
         hint = hint.get(loop, "")
-    return f"; did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')} (TRL's and verl's names: " \
-           "docs/flags.md)?" if hint else ""
+    return hint.format(opt="ppo" if loop == "ppo" else "rl")
 
 
-def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", command=None):
-    """`instance` with the values of `data` (nested dicts), each checked as its flag's parser would.
-    `lenient`: skip keys this command lacks; `skip`: flags never taken from a file; `command`: the whole
-    command's dataclass (default: `instance`'s), where the hint for an unknown key looks."""
+def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", command=None,
+         unknown: list | None = None):
+    """`instance` with the values of `data` (nested dicts), each checked as its flag's parser would; the keys
+    the command lacks are refused all at once, each with what to write instead. `lenient`: skip them; `skip`:
+    flags never taken from a file; `command`: the whole command's dataclass (default: `instance`'s), where
+    the hint for an unknown key looks; `unknown`: the nested calls' share of those keys."""
     command = command or type(instance)
+    top = unknown is None  # the outermost call reports every unknown key, nested ones included
+    unknown = [] if top else unknown
     fields = {f.name: f for f in dataclasses.fields(instance)}
     types = typing.get_type_hints(type(instance))
     seen: dict[str, str] = {}
@@ -134,18 +150,47 @@ def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset
             continue
         current = getattr(instance, name, None)
         if name not in fields or (lenient and isinstance(value, dict) != dataclasses.is_dataclass(current)):
-            if lenient:
-                continue
-            nest = f"; keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}" if "." in key else ""
-            raise ConfigError(f"--config: {where}{key} is not a flag of this command (see --help){nest}"
-                              f"{elsewhere(key, command)}")
+            if not lenient:
+                unknown += _instead(key, value, where, command)
+            continue
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: {where}{key} must be a mapping")
-            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", command)
+            fill(current, value, f"{where}{key}.", lenient, skip, f"{path}{name}.", command, unknown)
         else:
             setattr(instance, name, _typed(value, types[name], f"{where}{key}"))
+    if top and unknown:
+        raise ConfigError(_not_flags(unknown))
     return instance
+
+
+def _instead(key: str, value, where: str, command) -> list[tuple[str, str]]:
+    """(key, what to write instead) for a config key `command` lacks; for a group it lacks (verl's
+    actor_rollout_ref), each key inside it, named as minirl names it where it has it."""
+    if "." in key:
+        return [(where + key, f"keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}")]
+    return [(where + name, _did_you_mean(name, command)) for name in _leaves({key: value})]
+
+
+def _did_you_mean(name: str, command) -> str:
+    hint = elsewhere(name, command)
+    return f"did you mean {hint}?" if hint else ""
+
+
+def _leaves(data: dict, where: str = ""):
+    """The dotted names of a nested mapping's values."""
+    for key, value in data.items():
+        yield from _leaves(value, f"{where}{key}.") if isinstance(value, dict) and value else [f"{where}{key}"]
+
+
+def _not_flags(unknown: list[tuple[str, str]], source: str = "--config: ") -> str:
+    """The error for keys that are not flags: (key, what to write instead) each."""
+    names = " (TRL's and verl's names beside minirl's: docs/flags.md)" if any("?" in why for _, why in unknown) else ""
+    if len(unknown) == 1:
+        (key, why), = unknown
+        return f"{source}{key} is not a flag of this command (see --help)" + (f"; {why}" if why else "") + names
+    keys = ", ".join(f"{key} ({why})" if why else key for key, why in unknown)
+    return f"{source}{len(unknown)} keys are not flags of this command (see --help): {keys}{names}"
 
 
 def _typed(value, tp, where: str):
@@ -210,12 +255,19 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         if flag == "--task.reward" and len(given) > 1 and not given[1].startswith("-"):
             raise ConfigError(f"--task.reward takes one function; repeat the flag for each: --task.reward "
                               f"{given[0]} --task.reward {given[1]}")
+    # verl's Hydra overrides: key=value, no dashes (a value after a flag is that flag's, whatever it holds)
+    hydra = [a.lstrip("+").split("=")[0] for i, a in enumerate(argv) if re.fullmatch(r"\+*[A-Za-z_][\w.]*=.*", a, re.S)
+             and not (i and re.fullmatch(r"--[\w.-]+", argv[i - 1]))]
+    if hydra:
+        raise ConfigError("minirl takes flags (--name value), not Hydra's key=value: "
+                          + _not_flags([(key, _did_you_mean(key, cls)) for key in hydra], ""))
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
         unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
         hint = elsewhere(a, cls) if unknown else ""
         if hint:
-            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command{hint}")
+            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command; did you mean {hint}? (TRL's and "
+                              "verl's names beside minirl's: docs/flags.md)")
     default = cls()
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):

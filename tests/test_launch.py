@@ -277,6 +277,11 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
     (["--learning_rate", "1e-5"], "--learning_rate is not a flag of this command; did you mean --rl.lr"),
     (["--num-generations=4"], "--num-generations is not a flag of this command; did you mean --rl.group-size"),
     (["--rl.beta", "0.1"], "did you mean --rl.kl-coef"),
+    # verl's Hydra overrides, all at once (a value after a flag is the flag's, whatever it holds)
+    (["--steps", "2", "actor_rollout_ref.actor.optim.lr=1e-6", "--log.run-dir", "a=b", "+data.train_batch_size=4"],
+     "minirl takes flags (--name value), not Hydra's key=value: 2 keys are not flags of this command (see --help): "
+     "actor_rollout_ref.actor.optim.lr (did you mean --rl.lr?), data.train_batch_size (TRL's and verl's names"),
+    (["--log.run-dir", "a=b", "--learning_rate", "1"], "--learning_rate is not a flag of this command; did you mean"),
     (["--task.reward", "a:f", "b:g", "--steps", "2"], "--task.reward takes one function; repeat the flag for each: "
                                                       "--task.reward a:f --task.reward b:g"),
     (["--task.reward=a:f", "b:g"], "repeat the flag for each: --task.reward a:f --task.reward b:g"),
@@ -285,6 +290,15 @@ def test_trl_and_verl_names_get_minirls_flag(argv, says):
     from minirl.config_grpo import GRPOArgs
     with pytest.raises(ConfigError, match=re.escape(says)):
         launch.parse(GRPOArgs, argv, "")
+
+
+def test_every_flag_a_trl_or_verl_name_is_pointed_to_is_one_of_that_commands():
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    from minirl.flags import ELSEWHERE, _flags, elsewhere
+    for cls in (GRPOArgs, PPOArgs):
+        pointed = {f for name in ELSEWHERE for f in re.findall(r"--([\w.-]+)", elsewhere(name, cls))}
+        assert pointed and pointed <= _flags(cls), sorted(pointed - _flags(cls))
 
 
 @pytest.mark.parametrize("text, says", [
@@ -296,8 +310,14 @@ def test_trl_and_verl_names_get_minirls_flag(argv, says):
                            "--rollout.temperature"),
     ("max_grad_norm: 1.0\n", "did you mean --rl.max-grad-norm"),
     ("chat_template_kwargs: {}\n", "did you mean --task.chat-template-kwargs"),
-    ("rl:\n  seed: 1\n", "rl.seed is not a flag of this command (see --help); did you mean --seed "),
-    ("every: 5\n", "did you mean --checkpoint.every or --log.every "),
+    ("rl:\n  seed: 1\n", "rl.seed is not a flag of this command (see --help); did you mean --seed?"),
+    ("every: 5\n", "did you mean --checkpoint.every or --log.every?"),
+    # every key a file cannot take at once: a TRL file's, and each one in a group minirl lacks (verl's)
+    ("learning_rate: 1e-6\nbf16: true\nuse_vllm: true\n", "--config: 3 keys are not flags of this command (see "
+     "--help): learning_rate (did you mean --rl.lr?), bf16 (did you mean --model.dtype bfloat16?), use_vllm (TRL's"),
+    ("actor_rollout_ref:\n  model:\n    path: m\n  actor:\n    optim:\n      lr: 1.0e-6\n    use_kl_loss: true\n",
+     "--config: 3 keys are not flags of this command (see --help): actor_rollout_ref.model.path (did you mean "
+     "--model.path?), actor_rollout_ref.actor.optim.lr (did you mean --rl.lr?), actor_rollout_ref.actor.use_kl_loss ("),
 ])
 def test_a_config_file_with_a_dotted_or_trl_key_says_what_to_write(tmp_path, text, says):
     from minirl.config_grpo import GRPOArgs
