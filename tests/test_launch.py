@@ -292,6 +292,21 @@ def test_trl_and_verl_names_get_minirls_flag(argv, says):
         launch.parse(GRPOArgs, argv, "")
 
 
+def test_a_config_key_with_no_name_to_give_gets_no_pointer_to_the_names(tmp_path):
+    from minirl.config_grpo import GRPOArgs
+    f = tmp_path / "c.yaml"
+    f.write_text("use_vllm: true\n")
+    with pytest.raises(ConfigError) as e:
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+    assert str(e.value) == "--config: use_vllm is not a flag of this command (see --help)"
+
+
+def test_a_reward_given_last_is_one_function_not_a_list():
+    from minirl.config_grpo import GRPOArgs
+    for argv in (["--steps", "2", "--task.reward", "m:f"], ["--task.reward=m:f"]):
+        assert launch.parse(GRPOArgs, argv, "").task.reward == ["m:f"]
+
+
 def test_every_flag_a_trl_or_verl_name_is_pointed_to_is_one_of_that_commands():
     from minirl.config_grpo import GRPOArgs
     from minirl.config_ppo import PPOArgs

@@ -242,6 +242,16 @@ def test_a_parquet_file_is_read_by_its_magic_bytes_whatever_its_name(tmp_path):
     assert sorted(p.answer for p in task.rows + task.eval_set) == sorted(str(i) for i in range(10))
 
 
+def test_rows_scored_by_trl_functions_alone_keep_the_answer_they_have(tmp_path):
+    """No answer is needed when every reward is TRL's form (it reads its own columns), but a row's answer is
+    still its reference: what samples.jsonl shows beside each held-out completion."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", **({"answer": str(i)} if i % 2 else {})}) + "\n"
+                            for i in range(10)))
+    task = JsonlTask(str(path), 0, 0, needs_answer=False)
+    assert sorted((p.prompt, p.answer) for p in task.rows) == [(f"q{i}", str(i) if i % 2 else "") for i in range(10)]
+
+
 def test_a_pattern_reads_a_hub_datasets_shards_in_name_order_and_a_folder_is_told_what_to_name(tmp_path):
     """A dataset downloaded from the hub is a folder of shards (`data/train-00000-of-00002.parquet`, ...): a quoted
     pattern reads every file it matches, in name order, as one file of all their rows; the folder itself, or a
