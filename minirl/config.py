@@ -108,6 +108,8 @@ class TaskConfig:
     rows (for --task.name jsonl); a quoted pattern reads every file it matches, in name order (a hub dataset's
     shards: 'gsm8k/main/train-*.parquet'). A prompt is text or chat messages [{"role": ..., "content": ...}]
     (rendered by the model's chat template); the answer is a string or a number."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt, text or chat messages (verl's data.prompt_key; raw GSM8K's is question)."""
     answer_key: str = ""
     """The column holding the reference answer, dotted for a nested one (verl: reward_model.ground_truth);
     empty = the first of answer, solution and reward_model.ground_truth."""
@@ -136,6 +138,7 @@ class TaskConfig:
     def check(self) -> None:
         """The task's files exist; one given to the built-in task (which reads none) is a forgotten --task.name."""
         given = [flag for flag, v in (("--task.path", self.path), ("--task.eval-path", self.eval_path),
+                                      ("--task.prompt-key", self.prompt_key != "prompt"),
                                       ("--task.answer-key", self.answer_key),
                                       ("--task.chat-template-kwargs", self.chat_template_kwargs)) if v]
         if self.name == "count" and given:

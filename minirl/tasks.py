@@ -3,8 +3,8 @@
 - `CountTask` (built in): "how many a's?" e.g. `abbab#a=` -> `2`; problems are a pure function of
   (seed, index), and a string is held out iff its hash says so, so eval accuracy is honest.
 - `JsonlTask`: JSONL or Parquet rows as TRL and verl users have them, from a file or from every file a
-  pattern matches in name order (a hub dataset's shards); text or chat prompts, the answer under
-  `answer`, `solution` or a named key, GSM8K's `#### 42` cut to the number.
+  pattern matches in name order (a hub dataset's shards); text or chat prompts under `prompt` or a named
+  key, the answer under `answer`, `solution` or a named key, GSM8K's `#### 42` cut to the number.
 - `make_task` gives every task its `scorer` (rewards.py); `held_out` scores greedy completions with it.
 - `build_tiny`: a Qwen2 with a character-level tokenizer (no download), warm-started roughly on the
   task, built once into minirl's cache folder.
@@ -92,16 +92,17 @@ class CountTask:
 
 class JsonlTask:
     """Prompts and references from a JSONL or Parquet file, every row checked at load (a bad row is a
-    ConfigError naming file:line and the flag). A prompt is text or chat messages (through the chat
-    template, as verl's dataset does); the answer is the first of --task.answer-key (dotted: nested),
+    ConfigError naming file:line and the flag). A prompt (the column --task.prompt-key names) is text or chat
+    messages (through the chat template, as verl's dataset does); the answer is the first of --task.answer-key (dotted: nested),
     "answer", "solution", "reward_model.ground_truth", and may be missing when `needs_answer` is False (TRL's
     functions read their own columns). Every row keeps its columns for the rewards."""
 
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
-                 answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None):
-        keys = (answer_key,) if answer_key else self.ANSWER_KEYS
+                 answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None,
+                 prompt_key: str = "prompt"):
+        keys, self.prompt_key = (answer_key,) if answer_key else self.ANSWER_KEYS, prompt_key
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
         rows = self._read(path, "--task.path", limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
@@ -128,7 +129,7 @@ class JsonlTask:
                 if not isinstance(r, dict):
                     raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
                                       f"{type(r).__name__}")
-                prompt = _prompt_text(r, tok, self.template_kwargs, where)
+                prompt = _prompt_text(r, self.prompt_key, tok, self.template_kwargs, where)
                 if tok is not None and limit and len(tok(prompt, add_special_tokens=False).input_ids) > limit:
                     raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                       "raise the flag or shorten the prompt")
@@ -182,10 +183,10 @@ def _records(path: str, flag: str):
                 raise ConfigError(f"{flag}: {path}:{n}: not JSON ({e})") from e
 
 
-def _prompt_text(row: dict, tok, template_kwargs: dict, where: str) -> str:
-    """A row's prompt as the engine's text: itself, or chat messages through the tokenizer's template (with
-    --task.chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
-    prompt = row.get("prompt")
+def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) -> str:
+    """A row's prompt (its column `key`) as the engine's text: itself, or chat messages through the tokenizer's
+    template (with --task.chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
+    prompt = row.get(key)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ConfigError(f"{where}: the prompt is empty")
@@ -193,8 +194,9 @@ def _prompt_text(row: dict, tok, template_kwargs: dict, where: str) -> str:
     if not (isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt)):
-        got = "missing" if "prompt" not in row else f"a {type(prompt).__name__}"
-        raise ConfigError(f"{where}: \"prompt\" must be a string or a list of chat messages "
+        got = f"a {type(prompt).__name__}" if key in row else \
+            f"missing (the row's columns: {', '.join(row)}; name the prompt's with --task.prompt-key)"
+        raise ConfigError(f"{where}: \"{key}\" must be a string or a list of chat messages "
                           f"[{{\"role\": ..., \"content\": ...}}], got {got}")
     if tok is None or not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
@@ -309,7 +311,7 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     else:
         task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key,
                          needs_answer=any(kind != "trl" for kind in scorer.kinds),
-                         template_kwargs=cfg.template_kwargs())
+                         template_kwargs=cfg.template_kwargs(), prompt_key=cfg.prompt_key)
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
                f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")

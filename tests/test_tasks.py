@@ -252,6 +252,25 @@ def test_rows_scored_by_trl_functions_alone_keep_the_answer_they_have(tmp_path):
     assert sorted((p.prompt, p.answer) for p in task.rows) == [(f"q{i}", str(i) if i % 2 else "") for i in range(10)]
 
 
+def test_the_prompts_column_is_named_by_its_flag_so_gsm8k_from_the_hub_reads_as_it_is(tmp_path):
+    """GSM8K as the hub keeps it (`openai/gsm8k`: `question`, and `answer` ending in `#### N`) runs without a
+    conversion: --task.prompt-key question, as verl's data.prompt_key. Without it, the row's columns are listed
+    beside the flag; the built-in task, which reads no file, refuses it."""
+    rows = [{"question": f"Tom has {i} apples and buys 2. How many now?",
+             "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = make_task(TaskConfig(name="jsonl", path=str(path), prompt_key="question", eval_prompts=2), 0)
+    assert sorted((p.prompt, p.answer) for p in task.rows + task.eval_set) == sorted(
+        (r["question"], r["answer"].split("#### ")[1]) for r in rows)
+    says = ('"prompt" must be a string or a list of chat messages [{"role": ..., "content": ...}], got missing '
+            "(the row's columns: question, answer; name the prompt's with --task.prompt-key)")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        make_task(TaskConfig(name="jsonl", path=str(path)), 0)
+    with pytest.raises(ConfigError, match="--task.prompt-key is for your own prompts, and --task.name is count"):
+        TaskConfig(prompt_key="question").check()
+
+
 def test_a_pattern_reads_a_hub_datasets_shards_in_name_order_and_a_folder_is_told_what_to_name(tmp_path):
     """A dataset downloaded from the hub is a folder of shards (`data/train-00000-of-00002.parquet`, ...): a quoted
     pattern reads every file it matches, in name order, as one file of all their rows; the folder itself, or a
