@@ -93,9 +93,9 @@ class CountTask:
 class JsonlTask:
     """Prompts and references from a JSONL or Parquet file, every row checked at load (a bad row is a
     ConfigError naming file:line and the flag). A prompt (the column --task.prompt-key names) is text or chat
-    messages (through the chat template, as verl's dataset does); the answer is the first of --task.answer-key (dotted: nested),
-    "answer", "solution", "reward_model.ground_truth", and may be missing when `needs_answer` is False (TRL's
-    functions read their own columns). Every row keeps its columns for the rewards."""
+    messages (through the chat template, as verl's dataset does); the answer is the first of --task.answer-key
+    (dotted: nested), "answer", "solution", "reward_model.ground_truth", and may be missing when `needs_answer`
+    is False (TRL's functions read their own columns). Every row keeps its columns for the rewards."""
 
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
@@ -326,6 +326,11 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
               "function of its own, and the built-in reward reads GSM8K's `#### N`. verl's scorer runs here as it is "
               "(in verl/utils/reward_score/: math_reward.py for MATH, math_dapo.py for DAPO and AIME): --task.reward "
               "path/to/that/file.py:compute_score", flush=True)
+    text = cfg.name == "jsonl" and isinstance(task.train_problem(0).row.get(cfg.prompt_key), str)
+    if text and getattr(tok, "chat_template", None) and int(os.environ.get("RANK", 0)) == 0:
+        print(f"--task.path={cfg.path!r}: its prompts are text, which reach the model as they are (TRL's standard "
+              "form); --model.path has a chat template, and an instruct model answers chat messages, "
+              '[{"role": "user", "content": ...}] (TRL\'s conversational form, verl\'s prompts)', flush=True)
     return task
 
 

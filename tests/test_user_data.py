@@ -191,6 +191,21 @@ def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verl
                 and "--task.reward path/to/that/file.py:compute_score" in out) == said, (source, reward, out)
 
 
+def test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_they_are(chat_model, tmp_path,
+                                                                                          capsys):
+    """An instruct model given a raw question (GSM8K as the hub keeps it, by --task.prompt-key question) answered
+    nothing or noise (SmolLM2-135M-Instruct: '' and 'Quadratic equation: ...'), and no reward paid; the load says
+    that text prompts get no chat template. Chat prompts, or a model without a template, are told nothing."""
+    tok = load_tokenizer(str(chat_model))
+    texts = [{"prompt": p.prompt, "answer": p.answer} for p in problems(10)]
+    for rows, template, said in ((texts, True, True), (trl_rows(10), True, False), (texts, False, False)):
+        data = write_jsonl(tmp_path / "rows.jsonl", rows)
+        make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0), 0, tok if template else None, 32)
+        out = capsys.readouterr().out
+        assert ("its prompts are text, which reach the model as they are" in out
+                and "an instruct model answers chat messages" in out) == said, (rows[0], template, out)
+
+
 def test_trls_quickstart_rows_without_an_answer_load_for_a_trl_function_alone(tmp_path):
     """TRL's GRPO quickstart trains on `trl-lib/tldr` (`prompt` and `completion` columns, no answer) with a length
     reward: a TRL function reads its own columns, so no answer is needed; minirl's and verl's forms need one."""
