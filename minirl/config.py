@@ -150,10 +150,10 @@ class TaskConfig:
                 # a downloaded dataset's folder: name one of its data files, of the flag's split first
                 inside = sorted((p for p in glob.glob(os.path.join(path, "**"), recursive=True)
                                  if p.endswith((".parquet", ".jsonl"))), key=lambda p: (split not in p, p))
-                what = (f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern "
-                        f"({os.path.join(os.path.dirname(inside[0]), split + '-*' + os.path.splitext(inside[0])[1])!r})"
-                        if inside else
-                        "not a file, nor a pattern that matches one")
+                what = "not a file, nor a pattern that matches one"
+                if inside:
+                    shards = os.path.join(os.path.dirname(inside[0]), split + "-*" + os.path.splitext(inside[0])[1])
+                    what = f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern ({shards!r})"
                 raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL or Parquet file"
                                   + (" or use --task.name count" if needed else " or leave it empty"))
         self.template_kwargs()

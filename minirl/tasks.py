@@ -102,8 +102,9 @@ class JsonlTask:
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
                  answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None,
                  prompt_key: str = "prompt"):
-        keys, self.prompt_key = (answer_key,) if answer_key else self.ANSWER_KEYS, prompt_key
+        keys = (answer_key,) if answer_key else self.ANSWER_KEYS
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
+        self.prompt_key = prompt_key
         rows = self._read(path, "--task.path", limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
