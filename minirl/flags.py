@@ -117,16 +117,16 @@ ELSEWHERE = {
 
 
 def elsewhere(name: str, command) -> str:
-    """minirl's flag for a flag or config key the dataclass `command` lacks: its flag of that name in another
-    group (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for a TRL
-    or verl one ('' if none)."""
+    """"did you mean <flag>?" for a flag or config key the dataclass `command` lacks: its flag of that name in
+    another group (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for
+    a TRL or verl one ('' if none)."""
     parts, loop = name.lstrip("-").split("=")[0].replace("_", "-").split("."), getattr(command, "LOOP", "")
     same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == parts[-1])
     same = [f for f in same if f.endswith(".".join(parts[-2:]))] or same  # verl's model.path: --model.path
     hint = " or ".join(same) or ELSEWHERE.get(parts[-1].replace("-", "_"), "")
     if isinstance(hint, dict):
         hint = hint.get(loop, "")
-    return hint.format(opt="ppo" if loop == "ppo" else "rl")
+    return f"did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')}?" if hint else ""
 
 
 def fill(instance, data: dict, where: str, lenient: bool = False, skip=frozenset(), path: str = "", command=None,
@@ -169,12 +169,7 @@ def _instead(key: str, value, where: str, command) -> list[tuple[str, str]]:
     actor_rollout_ref), each key inside it, named as minirl names it where it has it."""
     if "." in key:
         return [(where + key, f"keys nest: write {key.split('.')[0]}: {{{key.split('.', 1)[1]}: ...}}")]
-    return [(where + name, _did_you_mean(name, command)) for name in _leaves({key: value})]
-
-
-def _did_you_mean(name: str, command) -> str:
-    hint = elsewhere(name, command)
-    return f"did you mean {hint}?" if hint else ""
+    return [(where + name, elsewhere(name, command)) for name in _leaves({key: value})]
 
 
 def _leaves(data: dict, where: str = ""):
@@ -260,14 +255,13 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
              and not (i and re.fullmatch(r"--[\w.-]+", argv[i - 1]))]
     if hydra:
         raise ConfigError("minirl takes flags (--name value), not Hydra's key=value: "
-                          + _not_flags([(key, _did_you_mean(key, cls)) for key in hydra], ""))
+                          + _not_flags([(key, elsewhere(key, cls)) for key in hydra], ""))
     known = _flags(cls)
     for a in argv:  # a TRL or verl name: say minirl's (tyro would only list every flag)
         unknown = a.startswith("--") and a[2:].split("=")[0].replace("_", "-") not in known
         hint = elsewhere(a, cls) if unknown else ""
         if hint:
-            raise ConfigError(f"{a.split('=')[0]} is not a flag of this command; did you mean {hint}? (TRL's and "
-                              "verl's names beside minirl's: docs/flags.md)")
+            raise ConfigError(_not_flags([(a.split("=")[0], hint)], ""))
     default = cls()
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):

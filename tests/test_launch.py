@@ -274,14 +274,16 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--learning_rate", "1e-5"], "--learning_rate is not a flag of this command; did you mean --rl.lr"),
-    (["--num-generations=4"], "--num-generations is not a flag of this command; did you mean --rl.group-size"),
+    (["--learning_rate", "1e-5"], "--learning_rate is not a flag of this command (see --help); did you mean --rl.lr?"),
+    (["--num-generations=4"], "--num-generations is not a flag of this command (see --help); did you mean "
+                              "--rl.group-size?"),
     (["--rl.beta", "0.1"], "did you mean --rl.kl-coef"),
     # verl's Hydra overrides, all at once (a value after a flag is the flag's, whatever it holds)
     (["--steps", "2", "actor_rollout_ref.actor.optim.lr=1e-6", "--log.run-dir", "a=b", "+data.train_batch_size=4"],
      "minirl takes flags (--name value), not Hydra's key=value: 2 keys are not flags of this command (see --help): "
      "actor_rollout_ref.actor.optim.lr (did you mean --rl.lr?), data.train_batch_size (TRL's and verl's names"),
-    (["--log.run-dir", "a=b", "--learning_rate", "1"], "--learning_rate is not a flag of this command; did you mean"),
+    (["--log.run-dir", "a=b", "--learning_rate", "1"], "--learning_rate is not a flag of this command (see --help); "
+                                                     "did you mean"),
     (["--task.reward", "a:f", "b:g", "--steps", "2"], "--task.reward takes one function; repeat the flag for each: "
                                                       "--task.reward a:f --task.reward b:g"),
     (["--task.reward=a:f", "b:g"], "repeat the flag for each: --task.reward a:f --task.reward b:g"),
