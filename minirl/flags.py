@@ -113,7 +113,10 @@ ELSEWHERE = {
     "ppo_epochs": {"grpo": "--rl.mu-iterations"}, "ppo_mini_batch_size": {"grpo": "--rl.mini-batch-per-replica"},
     "ppo_micro_batch_size_per_gpu": {"grpo": "--rl.micro-batch-per-replica", "ppo": "--ppo.policy-micro-batch-rows"},
     "ppo_max_token_len_per_gpu": {"grpo": "--rl.max-tokens-per-micro-batch"},
-    "train_batch_size": {"ppo": "--ppo.num-prompts-per-step"}}
+    "train_batch_size": {"ppo": "--ppo.num-prompts-per-step"}, "critic_warmup": {"ppo": "--ppo.critic-warmup-steps"}}
+# verl's critic.* keys whose minirl flag is not the policy's (PPO's; GRPO has no critic)
+CRITIC = {"lr": "--ppo.value-lr", "ppo_epochs": "--ppo.critic-ppo-epochs", "cliprange_value": "--ppo.clip-eps",
+          "ppo_micro_batch_size_per_gpu": "--ppo.critic-micro-batch-rows"}
 
 
 def elsewhere(name: str, command) -> str:
@@ -121,9 +124,13 @@ def elsewhere(name: str, command) -> str:
     another group (TRL's config files are flat: `temperature` is --rollout.temperature), else minirl's name for
     a TRL or verl one ('' if none)."""
     parts, loop = name.lstrip("-").split("=")[0].replace("_", "-").split("."), getattr(command, "LOOP", "")
+    key, critic = parts[-1].replace("-", "_"), "critic" in parts[:-1]
+    if critic and loop != "ppo":
+        return ""
     same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == parts[-1])
     same = [f for f in same if f.endswith(".".join(parts[-2:]))] or same  # verl's model.path: --model.path
-    hint = " or ".join(same) or ELSEWHERE.get(parts[-1].replace("-", "_"), "")
+    hint = CRITIC.get(key, "") if critic else ""
+    hint = hint or " or ".join(same) or ELSEWHERE.get(key, "")
     if isinstance(hint, dict):
         hint = hint.get(loop, "")
     return f"did you mean {hint.format(opt='ppo' if loop == 'ppo' else 'rl')}?" if hint else ""

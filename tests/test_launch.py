@@ -312,10 +312,27 @@ def test_a_reward_given_last_is_one_function_not_a_list():
 def test_every_flag_a_trl_or_verl_name_is_pointed_to_is_one_of_that_commands():
     from minirl.config_grpo import GRPOArgs
     from minirl.config_ppo import PPOArgs
-    from minirl.flags import ELSEWHERE, _flags, elsewhere
+    from minirl.flags import CRITIC, ELSEWHERE, _flags, elsewhere
     for cls in (GRPOArgs, PPOArgs):
-        pointed = {f for name in ELSEWHERE for f in re.findall(r"--([\w.-]+)", elsewhere(name, cls))}
+        names = [*ELSEWHERE, *(f"critic.{name}" for name in CRITIC)]
+        pointed = {f for name in names for f in re.findall(r"--([\w.-]+)", elsewhere(name, cls))}
         assert pointed and pointed <= _flags(cls), sorted(pointed - _flags(cls))
+
+
+def test_verls_critic_keys_point_to_the_critics_flags_in_ppo_and_nowhere_in_grpo(tmp_path):
+    """`critic.optim.lr` was pointed to the policy's --ppo.lr by its last name (and to --rl.lr in GRPO, which has
+    no critic)."""
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    f = tmp_path / "c.yaml"
+    f.write_text("critic:\n  optim:\n    lr: 1.0e-5\n    weight_decay: 0.01\n  ppo_epochs: 2\n")
+    with pytest.raises(ConfigError, match=re.escape("critic.optim.lr (did you mean --ppo.value-lr?), "
+                                                    "critic.optim.weight_decay (did you mean --ppo.weight-decay?), "
+                                                    "critic.ppo_epochs (did you mean --ppo.critic-ppo-epochs?)")):
+        launch.parse(PPOArgs, ["--config", str(f)], "")
+    with pytest.raises(ConfigError) as e:
+        launch.parse(GRPOArgs, ["--config", str(f)], "")
+    assert str(e.value).endswith("(see --help): critic.optim.lr, critic.optim.weight_decay, critic.ppo_epochs")
 
 
 @pytest.mark.parametrize("text, says", [
