@@ -320,15 +320,16 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                           "(a training run can also turn evaluation off: --log.eval-every 0)")
     task.scorer = scorer
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
+    main = int(os.environ.get("RANK", 0)) == 0  # the lines below are said once, by the first rank
     sources = sorted({str(p.row["data_source"]) for p in getattr(task, "rows", ()) if "data_source" in p.row})
     other = [s for s in sources if "gsm8k" not in s.lower()]  # verl scores GSM8K as the built-in reward does
-    if other and not cfg.reward and int(os.environ.get("RANK", 0)) == 0:
+    if other and not cfg.reward and main:
         print(f"--task.path={cfg.path!r}: its rows are of verl's data source {other[0]!r}, which verl scores by a "
               "function of its own, and the built-in reward reads GSM8K's `#### N`. verl's scorer runs here as it is "
               "(in verl/utils/reward_score/: math_reward.py for MATH, math_dapo.py for DAPO and AIME): --task.reward "
               "path/to/that/file.py:compute_score", flush=True)
     text = cfg.name == "jsonl" and isinstance(task.train_problem(0).row.get(cfg.prompt_key), str)
-    if text and getattr(tok, "chat_template", None) and int(os.environ.get("RANK", 0)) == 0:
+    if text and getattr(tok, "chat_template", None) and main:
         print(f"--task.path={cfg.path!r}: its prompts are text, which reach the model as they are (TRL's standard "
               "form); --model.path has a chat template, and an instruct model answers chat messages, "
               '[{"role": "user", "content": ...}] (TRL\'s conversational form, verl\'s prompts)', flush=True)
