@@ -48,6 +48,10 @@ TESTS = {  # module -> the unit tests that guard it
     "dist": ["tests/test_dist.py"],
     "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
     "launch": ["tests/test_launch.py", "tests/test_rundir.py"],
+    "grpo": ["tests/test_grpo_update.py", "tests/test_offload.py"],  # the update; the loop around a scripted engine
+    "ppo": ["tests/test_ppo.py"],
+    "placement": ["tests/test_ppo.py"],
+    "refit": ["tests/test_dist.py", "tests/test_ppo.py"],
     "tools/plot": ["tests/test_plot.py"],
     "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
         "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",

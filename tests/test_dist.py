@@ -2,9 +2,11 @@
 all-reduce and the disaggregated groups; and, with no processes, the device map over 8-GPU layouts,
 the CUDA world's backend, the collectives' device check and the float32 master weights."""
 
+import datetime
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +96,9 @@ def test_device_map_disaggregated_engines_on_their_own_cards_apart_from_trainers
     assert not set(engines) & set(trainers)                               # nor an engine and a trainer
     assert len(set(trainers)) == len(trainers)
     assert all(dev.type == "cuda" and dev.index == g % 8 for g, (_, dev) in enumerate(engines + trainers))
+    roles = [refit.Roles(g, world, rollout, d) for g, (_, d) in enumerate(ranks)]  # the side each rank plays
+    assert [(r.generates, r.trains) for r in roles] == [(d.engine is not None, d.trainer is not None) for _, d in ranks]
+    assert roles[0].train_ranks == [g for g, (_, d) in enumerate(ranks) if d.trainer is not None]
 
 
 @pytest.mark.parametrize("world", [1, 2, 8, 16])
@@ -372,12 +377,37 @@ class _Broadcasts:
         return SimpleNamespace(wait=lambda: None)
 
 
+def test_the_refit_group_on_the_host_is_gloo_and_its_broadcast_reaches_every_member():
+    """refit_group, built on the run's store outside torch's registry: gloo for host tensors (NCCL is for
+    CUDA's), member 0's bucket arriving at member 1 (two members in threads of this process), and a tensor
+    of another device type refused by name."""
+    store, got = torch.distributed.HashStore(), {}
+
+    def member(rank):
+        group = refit.refit_group(store, rank, 2, torch.device("cpu"), timeout=datetime.timedelta(seconds=60))
+        bucket = torch.arange(8, dtype=torch.uint8) if rank == 0 else torch.zeros(8, dtype=torch.uint8)
+        group.broadcast(bucket, src=0).wait()
+        got[rank] = type(group.backend).__name__, bucket.tolist()
+        with pytest.raises(RuntimeError, match="refit group: a meta tensor on a group of cpu members"):
+            group.broadcast(torch.zeros(1, device="meta"))
+
+    members = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for m in members:
+        m.start()
+    for m in members:
+        m.join(timeout=90)
+    assert got == {r: ("ProcessGroupGloo", list(range(8))) for r in (0, 1)}
+
+
 def test_the_refit_sends_the_manifests_parameters_and_refuses_any_other(monkeypatch):
     """send packs each parameter at its manifest offset, bucket by bucket, and receive reads them back; a
     parameter of another dtype or shape than the manifest's, or one more than it lists, is refused by name."""
     monkeypatch.setattr(refit, "BUCKET_BYTES", 64)  # several buckets of a tiny model
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     buckets = refit.manifest(model, torch.bfloat16)
+    # 16-byte aligned: 0.weight 24 -> 32, 0.bias 6 -> 16, 1.weight 12 -> 16 fill the 64; 1.bias opens the next
+    assert [(b["nbytes"], [e[0] for e in b["entries"]]) for b in buckets] == [
+        (64, ["0.weight", "0.bias", "1.weight"]), (16, ["1.bias"])]
     named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
     trainer = _Broadcasts()
     assert refit.send(trainer, buckets, iter(named)) == sum(b["nbytes"] for b in buckets) and len(trainer.sent) > 1

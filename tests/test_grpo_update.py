@@ -102,6 +102,11 @@ def test_probe_runs_once_and_fails_on_a_stochastic_forward(tiny_path, world):
     noisy = dist.shard(noisy, world, torch.float32)
     with pytest.raises(RuntimeError, match="determinism probe"):
         train(tiny_path, args, model=noisy)
+    noisy.config.minirl_forward_noise = {"tolerance": 1.0}  # declared: any share may move; the share is measured
+    ids, mask = torch.arange(5, 21)[None], torch.ones(1, 16)
+    declared = Probe(noisy)
+    declared({"input_ids": ids, "mask": mask, "lengths": torch.tensor([16])}, token_logprobs(noisy.eval(), ids))
+    assert 0 < declared.fraction <= 1, declared.fraction  # the moved tokens' share of the 16
     probe = Probe(model)  # the deterministic model passes, and says by how much
     ids = torch.tensor([[5, 6, 7, 8]])
     probe({"input_ids": ids, "mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]]), "lengths": torch.tensor([4])},
@@ -126,6 +131,7 @@ def test_mu_iterations_step_per_epoch_against_the_frozen_pi_old(tiny_path, world
     args = grpo_args(mu_iterations=3)
     _, _, acc, calls, steps, _ = train(tiny_path, args, lr=0.5)
     assert acc.steps == 3 and len(calls) == 3
+    assert len(steps) == 3 and all(s["grad_norm"] > 0 for s in steps)  # one record per optimizer step
     assert calls[0]["grpo_ratio_max"] == 1.0
     assert calls[1]["grpo_ratio_max"] != 1.0 and calls[2]["grpo_ratio_max"] != 1.0
 
@@ -250,3 +256,37 @@ def test_logged_entropy_is_the_mean_over_completion_tokens(tiny_path, world):
     assert abs(expected - everywhere) > 1e-3  # the two differ on this batch, so the test can tell them apart
     *_, calls, _, _ = train(tiny_path, grpo_args(micro_batch_per_replica=4), model=policy)
     assert abs(roll_up(calls)["grpo_entropy"] - expected) < 1e-5
+
+
+def test_the_loop_samples_each_steps_prompts_in_order_and_reports_the_whole_batch(world, tmp_path, monkeypatch):
+    """grpo.main around a scripted engine (no vLLM): step s samples prompt ids s*P .. s*P + P - 1 (B14); the
+    run's optimizer steps, steps x n_mini x mu_iterations, follow one cosine schedule; one weight sync per
+    collected batch (B4); tokens per second counts the whole batch; an eval scores the policy after its step."""
+    import json
+    import math
+
+    from minirl import grpo
+    from minirl.tasks import prompt_id
+    from test_offload import ScriptedEngine
+    sampled = []
+
+    class Seen(ScriptedEngine):
+        def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
+            if not greedy:
+                sampled.append(list(dict.fromkeys(prompt_ids)))  # each group's id once
+            return super().generate(prompts, prompt_ids, group_size, greedy, max_tokens)
+
+    monkeypatch.setattr(grpo, "Engine", Seen)
+    grpo.main(["--steps", "3", "--rl.batch-per-replica", "8", "--rl.group-size", "2", "--rl.mini-batch-per-replica",
+               "4", "--rl.mu-iterations", "2", "--rl.lr-schedule", "cosine", "--log.eval-every", "2",
+               "--task.eval-prompts", "4", "--log.run-dir", str(tmp_path)])
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in records if "reward_mean" in r]
+    assert sampled == [[prompt_id(0, s * 4 + i) for i in range(4)] for s in range(3)]  # P = 8 / 2
+    assert [r["optimizer_steps"] for r in steps] == [4, 8, 12] and [r["weight_syncs"] for r in steps] == [1, 1, 1]
+    cosine = lambda k: 1e-4 * 0.5 * (1 + math.cos(math.pi * k / 12))  # noqa: E731  (12 steps in the run)
+    assert [r["lr"] for r in steps] == pytest.approx([cosine(3), cosine(7), cosine(11)], rel=1e-9)
+    for r in steps:
+        assert r["tokens_per_s"] * r["time/step"] == pytest.approx(r["completion_len_mean"] * 8, rel=1e-6)
+    assert [(r["step"], r["eval_version"]) for r in records if "eval_version" in r] == [(0, 0), (1, 2), (2, 3)]
+    assert not list((tmp_path / "checkpoints").glob("step_*"))  # no --checkpoint.every: no step saves

@@ -3,9 +3,12 @@ end to end with the real vLLM engine: `torchrun -m minirl.ppo` with one rollout 
 six train ranks streaming chunks through the train pump (S3, S11, S21, S22), and colocated full
 batch with several policy epochs on one process (S13)."""
 
+import datetime
 import json
+import math
 import os
 import re
+import signal
 import sys
 
 import pytest
@@ -176,6 +179,91 @@ def test_ppo_learning_rates_follow_their_schedules_after_critic_warmup(tiny_path
     assert [r.get("lr") for r in recs[:2]] == [None, None]
     assert [r["lr"] for r in recs[2:]] == pytest.approx([5e-5, 1e-4], rel=1e-9)
     assert [r["value_lr"] for r in recs] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-4], rel=1e-9)
+
+
+def test_ppo_cosine_schedules_end_at_each_optimizers_own_last_step(tiny_path, world, tmp_path):
+    """Cosine, no lr warmup: the policy's schedule spans its own optimizer steps, (steps - critic warmup) x
+    ppo_epochs, and the critic's steps x critic_ppo_epochs; each record holds the rate of its step's last
+    optimizer step (full batch, 2 policy and 2 critic epochs, critic warmup 2 of 4 steps). Also the
+    record's mean prompt length: every made-up prompt is 3 tokens."""
+    args = small_ppo_args(tmp_path, steps=4)
+    args.ppo.critic_warmup_steps, args.ppo.lr_schedule = 2, "cosine"
+    args.ppo.ppo_epochs, args.ppo.critic_ppo_epochs, args.ppo.lr, args.ppo.value_lr = 2, 2, 1e-4, 2e-4
+    recs = train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
+    cosine = lambda peak, k, total: peak * 0.5 * (1 + math.cos(math.pi * k / total))  # noqa: E731
+    assert [r["lr"] for r in recs[2:]] == pytest.approx([cosine(1e-4, k, 4) for k in (1, 3)], rel=1e-9)
+    assert [r["value_lr"] for r in recs] == pytest.approx([cosine(2e-4, k, 8) for k in (1, 3, 5, 7)], rel=1e-9)
+    assert [r["prompt_len_mean"] for r in recs] == [3.0] * 4
+
+
+def test_each_step_publishes_and_asks_for_the_evals_of_the_version_after_it(tiny_path, world, tmp_path):
+    """The loop's version numbers: step s publishes version s + 1 (with weights, or a bump alone during critic
+    warmup, S14) and asks for the held-out scores of version s + 1, after version 0's before the first step;
+    each record counts the groups it consumed and the tokens per second of the whole step's rows."""
+    args = small_ppo_args(tmp_path, steps=3)
+    args.ppo.critic_warmup_steps = 1
+    source, published, asked = RecordingSource(args, False, []), [], []
+    source.refit = lambda version, policy: published.append((version, policy is not None))
+    source.evals = lambda version: asked.append(version) or {}
+    recs = train_in_process(args, tiny_path, world, source)
+    assert published == [(1, False), (2, True), (3, True)]
+    assert asked == [0, 1, 2, 3]
+    assert [r["groups_consumed"] for r in recs] == [2, 2, 2]
+    for r in recs:  # the step's generated tokens are all P x G rows' (2 x 2), not this rank's or one group's
+        assert r["tokens_per_s"] * r["time/step"] == pytest.approx(r["completion_len_mean"] * 4, rel=1e-6)
+
+
+def test_the_loops_policy_offload_keeps_the_accumulated_gradients_on_the_card(tiny_path, world, tmp_path,
+                                                                             monkeypatch):
+    """S7 as ppo.train wires it (its own offloaders, handed to every step's pump): after each chunk the
+    policy's parameters are off the card for the critic, and its accumulated gradients still on it."""
+    from minirl import stream
+    seen, chunk = [], stream.TrainPump.chunk
+
+    def checked(pump, c):
+        chunk(pump, c)
+        local = lambda t: t.to_local().untyped_storage().nbytes()  # noqa: E731  (this rank's FSDP2 shard)
+        params = list(pump.policy.parameters())
+        seen.append((all(local(q) == 0 for q in params), any(q.grad is not None and local(q.grad) > 0 for q in params)))
+    monkeypatch.setattr(stream.TrainPump, "chunk", checked)
+    args = small_ppo_args(tmp_path, steps=2)
+    train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
+    assert seen == [(True, True)] * 2
+
+
+def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost(monkeypatch):
+    """The rollout rank's watch of the trainer (placement._Term), on a store and a clock of the test's: no
+    verdict before the first heartbeat; a trainer silent for more than PEER_TIMEOUT_S is lost, named by rank
+    and address (exit 4's PeerLost); after SIGTERM five silent beats are enough to leave (it serves on while
+    the trainer saves); `stop` ends it at once, and a wait for a key returns False once the trainer is gone."""
+    from minirl import placement
+    from minirl.dist import PeerLost
+    store, now, handlers = torch.distributed.HashStore(), [100.0], {}
+    store.set_timeout(datetime.timedelta(seconds=5))  # a read of a key that is not there fails, never hangs
+    monkeypatch.setattr(placement.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(placement.signal, "signal", lambda sig, handler: handlers.__setitem__(sig, handler))
+    term = placement._Term(store, 1)
+    assert not term.trainer_gone()                        # no beat yet: the trainer may still be building
+    store.set("trainer/alive", "1")
+    store.set("trainer/addr", "10.0.0.5")
+    assert not term.trainer_gone()                        # heard at 100
+    now[0] = 130.0
+    assert not term.trainer_gone()                        # 30 s of silence is not yet more than PEER_TIMEOUT_S
+    now[0] = 130.5
+    with pytest.raises(PeerLost, match=r"rollout rank 1 lost train rank 0 at 10\.0\.0\.5: no heartbeat for 30 s"):
+        term.trainer_gone()
+    store.set("trainer/alive", "2")
+    now[0] = 131.0                                        # the store is read once a heartbeat period
+    assert not term.trainer_gone()                        # a new beat: heard at 131
+    handlers[signal.SIGTERM](signal.SIGTERM, None)
+    now[0] = 135.5
+    assert not term.trainer_gone()                        # SIGTERM 4.5 s ago: the trainer may be saving
+    now[0] = 136.5
+    assert term.trainer_gone()                            # five beats without one: it is gone
+    assert term.wait("trainer/addr") and not term.wait("group/0/0")
+    calm = placement._Term(store, 1)
+    store.set("stop", b"1")
+    assert calm.trainer_gone() and calm.wait("stop") and not calm.wait("group/0/0")
 
 
 def colocated_source(args, world, monkeypatch):
