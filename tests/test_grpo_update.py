@@ -290,3 +290,23 @@ def test_the_loop_samples_each_steps_prompts_in_order_and_reports_the_whole_batc
         assert r["tokens_per_s"] * r["time/step"] == pytest.approx(r["completion_len_mean"] * 8, rel=1e-6)
     assert [(r["step"], r["eval_version"]) for r in records if "eval_version" in r] == [(0, 0), (1, 2), (2, 3)]
     assert not list((tmp_path / "checkpoints").glob("step_*"))  # no --checkpoint.every: no step saves
+
+
+def test_the_loop_stops_after_its_limit_of_batches_that_took_no_update(world, tmp_path, monkeypatch):
+    """Rewards NaN from step 1 on (the tests' fault): every window of those batches is skipped, so with
+    --rl.max-skipped-steps 2 the run stops at step 2 (exit 3's StalledError), nothing saved after a step
+    without an update and nothing exported."""
+    import json
+
+    from minirl import grpo
+    from minirl.accumulator import StalledError
+    from test_offload import ScriptedEngine
+    monkeypatch.setattr(grpo, "Engine", ScriptedEngine)
+    monkeypatch.setenv("MINIRL_FAULT", "nan_rewards:1")
+    with pytest.raises(StalledError, match=r"step 2: 2 steps in a row \(1-2\)"):
+        grpo.main(["--steps", "5", "--rl.batch-per-replica", "4", "--rl.group-size", "2", "--log.eval-every", "0",
+                   "--rl.max-skipped-steps", "2", "--checkpoint.every", "1", "--log.run-dir", str(tmp_path)])
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r.get("skipped_nonfinite", 0) for r in records] == [0, 1, 1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000001"]
+    assert not (tmp_path / "final").exists()

@@ -266,6 +266,46 @@ def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost
     assert calm.trainer_gone() and calm.wait("stop") and not calm.wait("group/0/0")
 
 
+def test_disaggregated_placement_in_one_process_serves_every_group_once_and_every_version(tiny_path, world, tmp_path,
+                                                                                          monkeypatch):
+    """The disaggregated protocol without processes or vLLM: the train side (StoreGroups, a world of one) in
+    this thread, one rollout rank (rollout_rank, a scripted engine) in another, over a real TCPStore and a
+    real gloo refit group. Streaming (a chunk from one ready group): each step consumes its 4 groups once,
+    every version reaches the engine as weights, the due evals come back in order, and the store holds no
+    group after its step."""
+    import faulthandler
+    import threading
+
+    from minirl import dist, placement, refit
+    from test_offload import ScriptedEngine
+    args = small_ppo_args(tmp_path, steps=3)
+    args.ppo.num_prompts_per_step, args.async_rl.min_groups_for_streaming_train = 4, 1
+    args.log.eval_every, args.task.eval_prompts = 2, 4
+    engines = []
+    monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(ScriptedEngine(*a, **k)) or engines[-1])
+    monkeypatch.setattr(placement.signal, "signal", lambda *a: None)  # the rollout rank is a thread here
+    monkeypatch.setattr(placement, "_heartbeat", lambda client: None)  # its watch is tested on its own
+    host = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
+    store = refit.run_store("127.0.0.1", host.port)  # each side a client of its own, as each rank has
+    roles = refit.Roles(0, 2, 1, dist.Devices(trainer=None, engine=torch.device("cpu")))
+    rollout = threading.Thread(target=placement.rollout_rank,
+                               args=(ready_for(args, tiny_path), roles, refit.run_store("127.0.0.1", host.port)))
+    rollout.start()
+    faulthandler.dump_traceback_later(180, exit=True)  # a protocol that deadlocks fails the suite, never hangs it
+    try:
+        recs = train_in_process(args, tiny_path, world, placement.StoreGroups(args, store, world))
+    finally:
+        store.set("stop", b"1")
+        rollout.join(60)
+        faulthandler.cancel_dump_traceback_later()
+    assert not rollout.is_alive()
+    assert [r["groups_consumed"] for r in recs] == [4, 4, 4]
+    assert engines[0].loads == 3  # versions 1, 2 and 3, each as weights
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["eval_version"] for r in records if "eval_version" in r] == [0, 2, 3]
+    assert not [k for s in range(3) for k in (f"group/{s}/{i}" for i in range(4)) if store.check([k])]
+
+
 def colocated_source(args, world, monkeypatch):
     """The real `EngineGroups` and hand-off around a recording engine (no vLLM): its generate makes
     the step's groups and refuses unless the engine is awake with fresh weights."""
