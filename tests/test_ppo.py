@@ -267,7 +267,7 @@ def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost
 
 
 def test_disaggregated_placement_in_one_process_serves_every_group_once_and_every_version(tiny_path, world, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, capfd):
     """The disaggregated protocol without processes or vLLM: the train side (StoreGroups, a world of one) in
     this thread, one rollout rank (rollout_rank, a scripted engine) in another, over a real TCPStore and a
     real gloo refit group. Streaming (a chunk from one ready group): each step consumes its 4 groups once,
@@ -277,18 +277,26 @@ def test_disaggregated_placement_in_one_process_serves_every_group_once_and_ever
     import threading
 
     from minirl import dist, placement, refit
+    from minirl.tasks import prompt_id
     from test_offload import ScriptedEngine
     args = small_ppo_args(tmp_path, steps=3)
     args.ppo.num_prompts_per_step, args.async_rl.min_groups_for_streaming_train = 4, 1
     args.log.eval_every, args.task.eval_prompts = 2, 4
-    engines = []
-    monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(ScriptedEngine(*a, **k)) or engines[-1])
+    engines, sampled = [], []
+
+    class Seen(ScriptedEngine):
+        def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
+            if not greedy:
+                sampled.extend(dict.fromkeys(prompt_ids))  # each group's id once
+            return super().generate(prompts, prompt_ids, group_size, greedy, max_tokens)
+
+    monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(Seen(*a, **k)) or engines[-1])
     monkeypatch.setattr(placement.signal, "signal", lambda *a: None)  # the rollout rank is a thread here
     monkeypatch.setattr(placement, "_heartbeat", lambda client: None)  # its watch is tested on its own
     host = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
     store = refit.run_store("127.0.0.1", host.port)  # each side a client of its own, as each rank has
     roles = refit.Roles(0, 2, 1, dist.Devices(trainer=None, engine=torch.device("cpu")))
-    rollout = threading.Thread(target=placement.rollout_rank,
+    rollout = threading.Thread(target=placement.rollout_rank, daemon=True,  # a failed test never keeps pytest alive
                                args=(ready_for(args, tiny_path), roles, refit.run_store("127.0.0.1", host.port)))
     rollout.start()
     faulthandler.dump_traceback_later(180, exit=True)  # a protocol that deadlocks fails the suite, never hangs it
@@ -299,7 +307,11 @@ def test_disaggregated_placement_in_one_process_serves_every_group_once_and_ever
         rollout.join(60)
         faulthandler.cancel_dump_traceback_later()
     assert not rollout.is_alive()
+    assert sampled == [prompt_id(0, k) for k in range(12)]  # step s's groups are prompts 4s .. 4s + 3 (B14)
+    rows = re.findall(r"train_pump: step \d+ chunk \d+ groups=\d+ rows=(\d+)", capfd.readouterr().out)
+    assert sum(map(int, rows)) == 3 * 4 * 2  # every step's P x G rows, each group's G once
     assert [r["groups_consumed"] for r in recs] == [4, 4, 4]
+    assert all(0 <= r["time/wait_first_chunk"] < 60 and 0 <= r["time/tail"] < 60 for r in recs)  # seconds, measured
     assert engines[0].loads == 3  # versions 1, 2 and 3, each as weights
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["eval_version"] for r in records if "eval_version" in r] == [0, 2, 3]
