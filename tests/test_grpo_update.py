@@ -1,18 +1,24 @@
 """grpo.update on the real tiny model (FSDP2, world of one), no engine: the frozen pi_old ahead pass
 (B17), the store's readers (B18), the determinism probe (B19), token-budgeted micro-batches (X1),
-inner epochs (X2) and the determinism mode (B15)."""
+inner epochs (X2) and the determinism mode (B15). Then grpo.main's loop around a scripted engine: its
+prompt ids, schedule, syncs, records and stall rule."""
+
+import json
+import math
 
 import pytest
 import torch
 
 from conftest import RecordingSGD, assert_same_grads
-from minirl import dist
-from minirl.accumulator import Accumulator
+from minirl import dist, grpo
+from minirl.accumulator import Accumulator, StalledError
 from minirl.batch import RolloutStore, pack, plan_chunks
 from minirl.config_grpo import GRPOArgs
 from minirl.grpo import Probe, update
 from minirl.models import load_policy, token_logprobs
 from minirl.rollout import Samples
+from minirl.tasks import prompt_id
+from test_offload import ScriptedEngine
 
 
 def synthetic_batch(n=16, seed=0):
@@ -262,12 +268,6 @@ def test_the_loop_samples_each_steps_prompts_in_order_and_reports_the_whole_batc
     """grpo.main around a scripted engine (no vLLM): step s samples prompt ids s*P .. s*P + P - 1 (B14); the
     run's optimizer steps, steps x n_mini x mu_iterations, follow one cosine schedule; one weight sync per
     collected batch (B4); tokens per second counts the whole batch; an eval scores the policy after its step."""
-    import json
-    import math
-
-    from minirl import grpo
-    from minirl.tasks import prompt_id
-    from test_offload import ScriptedEngine
     sampled = []
 
     class Seen(ScriptedEngine):
@@ -296,11 +296,6 @@ def test_the_loop_stops_after_its_limit_of_batches_that_took_no_update(world, tm
     """Rewards NaN from step 1 on (the tests' fault): every window of those batches is skipped, so with
     --rl.max-skipped-steps 2 the run stops at step 2 (exit 3's StalledError), nothing saved after a step
     without an update and nothing exported."""
-    import json
-
-    from minirl import grpo
-    from minirl.accumulator import StalledError
-    from test_offload import ScriptedEngine
     monkeypatch.setattr(grpo, "Engine", ScriptedEngine)
     monkeypatch.setenv("MINIRL_FAULT", "nan_rewards:1")
     with pytest.raises(StalledError, match=r"step 2: 2 steps in a row \(1-2\)"):
