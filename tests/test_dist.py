@@ -70,6 +70,42 @@ def test_the_run_store_is_torchruns_own_and_binds_no_second_port(monkeypatch):
         refit.run_store("127.0.0.1", agent.port, host=True)  # another launcher: rank 0 binds MASTER_PORT itself
 
 
+def test_a_disaggregated_rollout_rank_joins_the_store_only_and_a_train_rank_the_train_group(monkeypatch):
+    """`init_disaggregated` in one process, a rank at a time, under torchrun's agent store. Of 3 ranks with
+    1 rollout rank: rank 0 gets the run's store and no process group, and keeps its global RANK and
+    WORLD_SIZE; rank 2 forms the train group (recorded here: a group of 2 cannot form in one process) as
+    train rank 1 of 2, on the same store under the prefix `train/`, and RANK and WORLD_SIZE become the
+    train group's."""
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(dist, "_here", dict(dist._here))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the cores' share is dist.place's, tested alone
+    calls = []
+    monkeypatch.setattr(refit.tdist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    env = dict(WORLD_SIZE="3", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent.port))
+    for k, v in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    roles, world, store = refit.init_disaggregated(1)
+    assert roles.generates and not roles.trains and world is None and calls == []
+    assert dist._here == {"rank": 0, "store": f"127.0.0.1:{agent.port}"}
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "3")
+    store.set("seen", "1")
+    assert agent.check(["minirl/0/seen"])  # check, not get: a missing key would wait for the store's timeout
+
+    for k, v in {**env, "RANK": "2", "LOCAL_RANK": "2"}.items():
+        monkeypatch.setenv(k, v)
+    roles, world, store = refit.init_disaggregated(1)
+    assert roles.trains and world == dist.World(1, 2, 2, torch.device("cpu"))
+    assert store.get("seen") == b"1" and dist._here["rank"] == 2
+    (backend,), kw = calls[0]
+    assert len(calls) == 1 and backend == "gloo"
+    assert (kw["rank"], kw["world_size"], kw["device_id"]) == (1, 2, None)
+    kw["store"].set("k", "v")
+    assert agent.check(["minirl/0/train//k"])  # PrefixStore joins with "/", so the prefix "train/" gives two
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
+
+
 # ---- devices and backends (pure functions, no processes) ----
 
 LAYOUTS = [(8, r) for r in range(1, 8)] + [(16, 2), (16, 8)]  # (world size, rollout ranks); 16 = 2 nodes x 8
@@ -366,15 +402,17 @@ class _Broadcasts:
     device = torch.device("cpu")
 
     def __init__(self, sent=()):
-        self.sent, self._replay = [], iter(sent)
+        self.sent, self._replay, self.events = [], iter(sent), []  # events: "start k" and "wait k", bucket k
 
     def broadcast(self, buf, src=0):
         arrived = next(self._replay, None)
         if arrived is None:
             self.sent.append(buf.clone())
         else:
-            buf.copy_(arrived)
-        return SimpleNamespace(wait=lambda: None)
+            buf.copy_(arrived)  # a buffer of another size than the one sent fails here
+        k = sum(e.startswith("start") for e in self.events)
+        self.events.append(f"start {k}")
+        return SimpleNamespace(wait=lambda: self.events.append(f"wait {k}"))
 
 
 def test_the_refit_group_on_the_host_is_gloo_and_its_broadcast_reaches_every_member():
@@ -419,3 +457,26 @@ def test_the_refit_sends_the_manifests_parameters_and_refuses_any_other(monkeypa
         refit.send(_Broadcasts(), buckets, iter(wrong))
     with pytest.raises(RuntimeError, match="more parameters than the manifest"):
         refit.send(_Broadcasts(), buckets, iter(named + [("2.weight", named[0][1])]))
+
+
+def test_the_refit_fills_a_bucket_to_its_last_byte_and_keeps_two_buckets_on_the_wire(monkeypatch):
+    """Five 32-byte parameters in 64-byte buckets: two fill a bucket exactly, the fifth opens a third. The
+    sender waits for bucket k once bucket k + 1 is on the wire (at most two in flight, each buffer alive until
+    its broadcast is done); the receiver starts bucket k + 1 before it reads bucket k's parameters."""
+    monkeypatch.setattr(refit, "BUCKET_BYTES", 64)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(5)))  # 16 x 2 bytes each
+    buckets = refit.manifest(model, torch.bfloat16)
+    assert [(b["nbytes"], [e[0] for e in b["entries"]]) for b in buckets] == [
+        (64, ["0.weight", "1.weight"]), (64, ["2.weight", "3.weight"]), (32, ["4.weight"])]
+    named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+    trainer = _Broadcasts()
+    refit.send(trainer, buckets, iter(named))
+    assert trainer.events == ["start 0", "start 1", "wait 0", "start 2", "wait 1", "wait 2"]
+    rollout = _Broadcasts(trainer.sent)
+    got = []
+    for name, t in refit.receive(rollout, buckets):
+        rollout.events.append(f"got {name}")
+        got.append(t.tolist())
+    assert rollout.events == ["start 0", "start 1", "wait 0", "got 0.weight", "got 1.weight", "start 2", "wait 1",
+                              "got 2.weight", "got 3.weight", "wait 2", "got 4.weight"]
+    assert got == [t.tolist() for _, t in named]

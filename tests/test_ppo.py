@@ -231,6 +231,57 @@ def test_the_loops_policy_offload_keeps_the_accumulated_gradients_on_the_card(ti
     assert seen == [(True, True)] * 2
 
 
+def test_the_records_carry_the_rollout_memory_the_rows_asked_for_and_the_last_versions_late_eval(tiny_path, world,
+                                                                                              tmp_path):
+    """Each record takes the rollout side's memory peak (a source that measures none logs none); with
+    --log.train-samples at all P x G rows every row goes to samples.jsonl; after the last step, the eval of
+    the last version, when it came late, is logged at step `steps`."""
+    args = small_ppo_args(tmp_path, steps=2)
+    args.log.train_samples = 4
+    source = RecordingSource(args, False, [])
+    source.rollout_memory_gib = lambda: 1.5
+    source.final_eval = lambda steps: {"eval_accuracy": 0.25, "eval_version": steps}
+    recs = train_in_process(args, tiny_path, world, source)
+    assert [r["rollout_memory_peak_gib"] for r in recs] == [1.5, 1.5]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert {k: lines[-1][k] for k in ("step", "eval_accuracy", "eval_version")} == {"step": 2, "eval_accuracy": 0.25,
+                                                                                   "eval_version": 2}
+    shown = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [(s["step"], s["reward"]) for s in shown] == [(step, r) for step in (0, 1) for r in (0.0, 1.0, 0.0, 1.0)]
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_whitened_advantages_are_warned_of_under_streaming_only(tiny_path, world, tmp_path, capsys, streaming):
+    """Whitening within each chunk makes the chunk boundaries change the gradient: said when streaming,
+    not in full batch (one chunk, the whole batch)."""
+    args = small_ppo_args(tmp_path, steps=1)
+    args.async_rl.min_groups_for_streaming_train = 1 if streaming else 2
+    train_in_process(args, tiny_path, world, RecordingSource(args, False, []))
+    assert ("whitens advantages within each chunk" in capsys.readouterr().out) == streaming
+
+
+def test_a_resumed_run_reports_each_optimizers_next_rate_from_its_own_schedule(tiny_path, world, tmp_path, capsys):
+    """Critic warmup 1, 2 policy and 2 critic epochs a step, a 10-step linear warmup of both rates: resumed
+    at step 1 the policy has taken no step (its next is its schedule's step 0) and the critic 2; at step 2,
+    2 and 4. Each checkpoint's optimizer holds another rate, so each resume says the next one."""
+    from minirl import checkpoint, ppo
+    from minirl.accumulator import lr_schedule
+    resumed = []
+    for steps in (1, 2, 3):
+        args = small_ppo_args(tmp_path, steps=steps)
+        args.ppo.critic_warmup_steps, args.ppo.lr_warmup_steps, args.checkpoint.every = 1, 10, 1
+        args.ppo.ppo_epochs = args.ppo.critic_ppo_epochs = 2
+        args.ppo.lr, args.ppo.value_lr = 1e-4, 2e-4
+        resume = checkpoint.find("auto", args.checkpoint_dir) if steps > 1 else None
+        ppo.train(ready_for(args, tiny_path, resume), world, RecordingSource(args, False, []))
+        out = capsys.readouterr().out
+        resumed += re.findall(r"(--ppo\.(?:value-)?lr): the checkpoint's optimizer was at lr \S+; the schedule of "
+                              r"the flags sets the rate, (\S+) at the next step", out)
+    policy, value = lr_schedule(1e-4, 10, 10), lr_schedule(2e-4, 10, 10)
+    assert resumed == [("--ppo.lr", f"{policy(0):g}"), ("--ppo.value-lr", f"{value(2):g}"),
+                       ("--ppo.lr", f"{policy(2):g}"), ("--ppo.value-lr", f"{value(4):g}")]
+
+
 def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost(monkeypatch):
     """The rollout rank's watch of the trainer (placement._Term), on a store and a clock of the test's: no
     verdict before the first heartbeat; a trainer silent for more than PEER_TIMEOUT_S is lost, named by rank
