@@ -8,10 +8,10 @@ Each mutant changes one site of the module's syntax tree: a comparison (< to <=,
 in, ...), an arithmetic operator (+ to -, * to /, ...), `and` to `or`, a `not` dropped, a unary minus
 dropped, a number moved by one (0 to 1, 1 to 2, 0.5 to 1.5), True to False. It is written over the
 module in a copy of the repository (the working tree is never touched) and the module's tests run
-there, fast ones only (`-m "not slow and not vllm and not dist"`), stopping at the first failure. A
-mutant is killed when a test fails or runs past the time limit; it survives when they all pass. The
-survivors are printed as `module.py:line: original -> mutant`, and listed with a reason each in
-docs/invariants.md ("Mutation testing").
+there, fast ones only (`-m "not slow and not vllm and not dist"`; `rollout`'s own engine tests too),
+stopping at the first failure. A mutant is killed when a test fails or runs past the time limit; it
+survives when they all pass. The survivors are printed as `module.py:line: original -> mutant`, and
+listed with a reason each in docs/invariants.md ("Mutation testing").
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ TESTS = {  # module -> the unit tests that guard it
     "ppo": ["tests/test_ppo.py"],
     "placement": ["tests/test_ppo.py"],
     "refit": ["tests/test_dist.py", "tests/test_ppo.py"],
+    "rollout": ["tests/test_rollout.py"],  # with the engine: the tiny model's starts in seconds
     "tools/plot": ["tests/test_plot.py"],
     "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
         "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",
@@ -65,6 +66,7 @@ TESTS = {  # module -> the unit tests that guard it
         "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")]
     + ["tests/test_config.py::test_every_default_is_the_recorded_one"],
 }
+WITH_ENGINE = {"rollout"}  # modules whose own tests run the real engine (marked `vllm`): those run too
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
          ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
@@ -114,12 +116,13 @@ def mutate(tree: ast.AST, index: int, how: str) -> tuple[ast.AST, int, str]:
     return tree, line, f"{before} -> {ast.unparse(node)}"
 
 
-def run_tests(workdir: str, tests: list[str], timeout: float) -> tuple[bool, float]:
-    """(passed, seconds) for `tests` in `workdir`."""
+def run_tests(workdir: str, tests: list[str], timeout: float, engine: bool = False) -> tuple[bool, float]:
+    """(passed, seconds) for `tests` in `workdir`; `engine`: the tests that start the engine too."""
     t0 = time.perf_counter()
+    marks = "not slow and not dist" if engine else "not slow and not vllm and not dist"
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m",
-                            "not slow and not vllm and not dist", *tests], cwd=workdir, capture_output=True,
+                            marks, *tests], cwd=workdir, capture_output=True,
                            timeout=timeout, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         return p.returncode == 0, time.perf_counter() - t0
     except subprocess.TimeoutExpired:
@@ -147,7 +150,8 @@ def main() -> None:
             path = f"minirl/{module}.py"
             source = open(os.path.join(ROOT, path)).read()
             tree = ast.parse(source)
-            ok, base = run_tests(workers[0], TESTS[module], 600)
+            engine = module in WITH_ENGINE
+            ok, base = run_tests(workers[0], TESTS[module], 600, engine)
             if not ok:
                 sys.exit(f"{path}: its tests fail unmutated; fix them first")
             mutants = [mutate(tree, i, how) for i, how in sites(tree)]
@@ -158,7 +162,7 @@ def main() -> None:
                 try:
                     with open(os.path.join(workdir, path), "w") as f:
                         f.write(ast.unparse(m[0]))
-                    return m, run_tests(workdir, TESTS[module], 3 * base + 10)[0]
+                    return m, run_tests(workdir, TESTS[module], 3 * base + 10, engine)[0]
                 finally:
                     with open(os.path.join(workdir, path), "w") as f:
                         f.write(source)

@@ -1,11 +1,14 @@
 """The real vLLM engine on CPU with the built-in tiny model (one engine for this module)."""
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from minirl.config import ConfigError, RolloutConfig
 from minirl.models import load_policy, load_tokenizer, token_logprobs
-from minirl.rollout import Engine, check_model, request_seed
+from minirl.rollout import Engine, Samples, check_model, request_seed
 
 pytestmark = pytest.mark.vllm
 G = 4
@@ -79,8 +82,9 @@ def test_loaded_weights_drive_greedy_output_and_logprobs(engine, prompts, tiny_p
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.5 * torch.randn_like(p))
+    loads = engine.loads
     n = engine.load_weights(model.named_parameters())
-    assert n == len(list(model.parameters()))
+    assert n == len(list(model.parameters())) and engine.loads == loads + 1  # GRPO's weight_syncs counts these
     try:
         after = engine.generate(prompts, [1, 2, 3], 1, greedy=True)
         assert after.completion_tokens != before.completion_tokens
@@ -105,11 +109,15 @@ def test_sleep_wake_state_machine(engine, prompts):
     with pytest.raises(RuntimeError, match=r"load_weights\(\) while asleep"):
         engine.load_weights(iter([]))
     engine.wake_up(["weights"])
+    assert engine.state == "weights"
+    with pytest.raises(RuntimeError, match="while the engine is weights"):  # no KV cache yet
+        engine.generate(prompts, [1, 2, 3], 1)
     engine.sleep(1)  # sleeping after a weights-only wake releases the weights again
     assert engine.state == "asleep"
     engine.wake_up(["weights"])
     engine.wake_up(["kv_cache"])
     assert engine.state == "awake"
+    engine.generate(prompts, [1, 2, 3], 1)  # level 1 kept the weights: sampling goes on without a sync
     engine.sleep(2)  # level 2 discards weights: no sampling until a full sync
     engine.wake_up(["weights"])
     engine.wake_up(["kv_cache"])
@@ -129,8 +137,9 @@ def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):
     cfg["num_attention_heads"] = cfg["hidden_size"] // 16
     cfg.pop("head_dim", None)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="head_dim 16"):
+    with pytest.raises(ConfigError, match=r"head_dim 16 \(hidden_size 128 / 8 heads\)"):
         check_model(str(bad), RolloutConfig(), 64)
+    check_model(tiny_path, RolloutConfig(), 256)  # all 256 positions: taken
     with pytest.raises(ConfigError, match="--rollout.kv-cache-gib"):
         check_model(tiny_path, RolloutConfig(kv_cache_gib=1000), 64)
     with pytest.raises(ConfigError, match="--rollout.kv-cache-gib"):
@@ -139,13 +148,57 @@ def test_check_model_rejects_bad_head_dim_and_kv_budget(tmp_path, tiny_path):
         check_model(tiny_path, RolloutConfig(), 288)  # vLLM would refuse it only after loading the model
 
 
+def test_the_cpu_head_sizes_are_the_ones_vllms_cpu_attention_runs():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from minirl.rollout import CPU_HEAD_DIMS
+    assert list(CPU_HEAD_DIMS) == CPUAttentionBackend.get_supported_head_sizes()
+
+
+def test_the_kv_budget_must_hold_one_whole_sequence_and_stay_under_half_the_machine(monkeypatch):
+    """On CPU the KV cache is float32 keys and values: 2 x layers x key/value heads x head_dim x 4 bytes a
+    token. A 7B-like shape at 8,192 tokens needs exactly 2 GiB: 2 is taken, a little less refused with the
+    need in the message; on a machine of 8 GiB, 4 is taken and a little more refused. Without a key/value
+    head count every attention head keeps its own."""
+    import psutil
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=8 * 2**30))
+    hf = {"num_attention_heads": 32, "hidden_size": 4096, "num_hidden_layers": 32, "num_key_value_heads": 8,
+          "max_position_embeddings": 32768}  # head_dim 128: 2 x 32 x 8 x 128 x 4 = 256 KiB a token
+    check = lambda gib, tokens=8192, hf=hf: check_model("", RolloutConfig(kv_cache_gib=gib), tokens,  # noqa: E731
+                                                      device_type="cpu", hf=hf)
+    check(2.0)
+    with pytest.raises(ConfigError, match=r"--rollout.kv-cache-gib=1.999 cannot hold one sequence of 8192 tokens "
+                                          r"\(2.000 GiB\)"):
+        check(1.999)
+    check(4.0, tokens=16)
+    with pytest.raises(ConfigError, match="--rollout.kv-cache-gib=4.001 is over half of this machine's 8 GiB"):
+        check(4.001, tokens=16)
+    every_head = {k: v for k, v in hf.items() if k != "num_key_value_heads"}
+    check(0.5, tokens=512, hf=every_head)  # 1 MiB a token x 512 = 0.5 GiB
+    with pytest.raises(ConfigError, match=r"\(0.500 GiB\)"):
+        check(0.499, tokens=512, hf=every_head)
+
+
+def test_a_requests_seed_is_a_fixed_30_bit_hash_of_the_run_seed_and_the_prompt_id():
+    """The seeds a run's samples come from: the same on every machine and in every release of minirl (a
+    resumed or re-run run samples what it sampled), 30 bits (sample j adds j), and spread over prompt ids."""
+    assert [request_seed(0, 7), request_seed(0, 8), request_seed(1, 8)] == [590328458, 107391103, 409823638]
+    seeds = [request_seed(3, pid) for pid in range(2000)]
+    assert all(0 <= x < 2**30 for x in seeds) and len(set(seeds)) >= 1995
+    assert max(seeds) > 2**29  # the top bit is used too
+
+
+def test_a_row_cut_by_the_token_cap_is_clipped():
+    s = Samples([0, 0], [[1], [1]], [[2], [3]], [[-1.0], [-1.0]], ["stop", "length"])
+    assert s.clipped == [False, True] and s.lengths == [1, 1]
+
+
 class RecordedLLM:
     """Stands in for vllm.LLM: records how, and in which environment, an engine is constructed."""
 
     built: list = []
 
     def __init__(self, **kwargs):
-        import os
         RecordedLLM.built.append({"kwargs": kwargs, **{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE",
                                                                                     "LOCAL_RANK", "VLLM_CACHE_ROOT")}})
 
@@ -155,8 +208,6 @@ def test_engine_is_built_on_the_card_the_device_map_names(card, monkeypatch, tin
     """A disaggregated rollout rank's engine (a private world of one) is built with vLLM's external
     launcher and LOCAL_RANK = its card: the executor that reads LOCAL_RANK for its device (the
     single-process one always takes card 0). torchrun's environment is restored afterwards."""
-    import os
-
     import vllm
 
     from minirl.dist import device_map
@@ -201,7 +252,6 @@ def test_colocated_engine_refuses_a_card_other_than_local_ranks(monkeypatch, tin
 def test_cpu_and_cuda_extras_pin_one_vllm_release_and_rollout_uses_public_calls():
     """The CUDA engine runs the release the CPU suite tests (their Python is the same but for three
     platform files), and rollout.py reaches past vLLM's public API in one place only (close())."""
-    import os
     import re
     import tomllib
 
@@ -234,3 +284,91 @@ def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_distribu
             assert (mine - torch.tensor(theirs)).abs().max().item() < 1e-4 and torch.equal(mine, ref)
         at_one = _trainer_logprobs(plain, s)
         assert max((a - torch.tensor(t)).abs().max().item() for a, t in zip(at_one, s.logprobs)) > 0.1
+
+
+def test_a_cpu_engine_is_built_eager_without_prefix_caching_and_with_its_kv_budget(monkeypatch, tiny_path):
+    """What vLLM is asked for on CPU: no prefix cache (weights reloaded in place would leave cached prefixes of the
+    old policy), TP 1, eager, the logprobs of the distribution sampled, no sleep mode, seed 0 unless given; its KV
+    space in whole GiB, at least 1. Its in-place reload's warning about the rotary embedding (nothing to load) is
+    filtered out, nothing else."""
+    import logging
+
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", RecordedLLM)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # restored after the test
+    RecordedLLM.built.clear()
+    spaces = []
+    for gib in (0.4, 2.6):
+        Engine(tiny_path, RolloutConfig(kv_cache_gib=gib), 32, torch.device("cpu"))
+        spaces.append(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+    assert spaces == ["1", "3"]
+    kw = RecordedLLM.built[0]["kwargs"]
+    assert {k: kw[k] for k in ("enable_prefix_caching", "tensor_parallel_size", "enforce_eager", "logprobs_mode",
+                               "enable_sleep_mode", "seed", "max_model_len")} == {
+        "enable_prefix_caching": False, "tensor_parallel_size": 1, "enforce_eager": True,
+        "logprobs_mode": "processed_logprobs", "enable_sleep_mode": False, "seed": 0, "max_model_len": 32}
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    record = lambda msg: logging.LogRecord(reload_log.name, logging.WARNING, "", 0, msg, (), None)  # noqa: E731
+    assert not reload_log.filter(record("RotaryEmbedding(...) got no weights"))
+    assert reload_log.filter(record("a parameter got no weights"))
+
+
+class ReloadRecorder:
+    """Stands in for the engine's vllm.LLM in `load_weights`: what the worker's reload is handed."""
+
+    def __init__(self):
+        self.loaded = []
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"
+        self.loaded.append([name for name, _ in kwargs["weights_iterator"]])
+
+
+@pytest.mark.parametrize("config,head", [({"tie_word_embeddings": True}, True), ({"tie_word_embeddings": False}, False),
+                                         ({}, False)])
+def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path, tmp_path, config, head):
+    """vLLM's in-place reload restores a tied head's old packed weights unless the head is sent: a model with tied
+    embeddings (and only such a model; untied is the default) gets the embedding as `lm_head.weight` after its
+    parameters, unless the head came with them. The count is of the parameters handed in; each load counts once."""
+    import json
+
+    import vllm
+    monkeypatch.setattr(vllm, "LLM", RecordedLLM)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(str(tmp_path), RolloutConfig(), 32, torch.device("cpu"))
+    engine.llm = ReloadRecorder()
+    embed, norm = torch.zeros(4, 2), torch.ones(2)
+    assert engine.load_weights(iter([("model.embed_tokens.weight", embed), ("model.norm.weight", norm)])) == 2
+    assert engine.load_weights(iter([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])) == 2
+    assert engine.load_weights(iter([("model.norm.weight", norm)])) == 1
+    sent = ["model.embed_tokens.weight", "model.norm.weight"]
+    assert engine.llm.loaded == [sent + ["lm_head.weight"] * head, ["model.embed_tokens.weight", "lm_head.weight"],
+                                 ["model.norm.weight"]]
+    assert engine.loads == 3 and list(engine.events) == ["load_weights:2", "load_weights:2", "load_weights:1"]
+
+
+def test_the_engines_own_output_goes_to_its_log_and_the_console_comes_back(tmp_path, capfd, caplog):
+    """While an engine starts, what its native libraries write on file descriptors 1 and 2 goes to the log file
+    (its folder made, an existing one taken, a second engine's appended); afterwards the console is the console
+    again, and vLLM's logger writes to the file only."""
+    import logging
+
+    from minirl.rollout import _engine_output
+    log = tmp_path / "run" / "engine.log"
+    vllm_log = logging.getLogger("vllm")
+    saved = vllm_log.handlers[:], vllm_log.propagate
+    try:
+        with _engine_output(str(log)):
+            os.write(1, b"native out\n")
+            os.write(2, b"native err\n")
+        vllm_log.warning("vllm after the start")
+        os.write(1, b"console out\n")
+        os.write(2, b"console err\n")
+        with _engine_output(str(log)):
+            os.write(1, b"a second engine\n")
+    finally:
+        vllm_log.handlers, vllm_log.propagate = saved
+    assert capfd.readouterr() == ("console out\n", "console err\n")
+    assert log.read_text().splitlines() == ["native out", "native err", "vllm after the start", "a second engine"]
+    assert not [r for r in caplog.records if r.name == "vllm"]
