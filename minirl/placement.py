@@ -185,13 +185,12 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
     try:
         group = refit.refit_group(store, roles.global_rank + 1, R + 1, roles.devices.engine)
         buckets = json.loads(store.get("weights/manifest"))
-        limit, posted = args.rollout.max_prompt_tokens, set()
+        limit = args.rollout.max_prompt_tokens
 
-        def evaluate(version: int) -> None:  # global rank 0 scores the run's eval versions
-            if roles.global_rank == 0 and args.log.evaluates(version, args.steps) and version not in posted:
+        def evaluate(version: int) -> None:  # global rank 0 scores the run's eval versions, each as it arrives
+            if roles.global_rank == 0 and args.log.evaluates(version, args.steps):
                 scores = held_out(engine, task, tok, limit, version=version)
                 put(store, f"eval/{version}", json.dumps(scores).encode())  # never unpickled
-                posted.add(version)
 
         if not term.wait("start"):  # the trainer builds (and maybe restores) its models first
             return
@@ -214,7 +213,6 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
         if version is None:
             return
-        evaluate(args.steps)
         term.wait("stop")  # outside torchrun global rank 0 hosts the store: it must outlive the trainer's last use
     finally:
         engine.close()

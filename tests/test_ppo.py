@@ -307,8 +307,8 @@ def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost
     now[0] = 131.0                                        # the store is read once a heartbeat period
     assert not term.trainer_gone()                        # a new beat: heard at 131
     handlers[signal.SIGTERM](signal.SIGTERM, None)
-    now[0] = 135.5
-    assert not term.trainer_gone()                        # SIGTERM 4.5 s ago: the trainer may be saving
+    now[0] = 136.0
+    assert not term.trainer_gone()                        # SIGTERM 5 s ago: the trainer may be saving
     now[0] = 136.5
     assert term.trainer_gone()                            # five beats without one: it is gone
     assert term.wait("trainer/addr") and not term.wait("group/0/0")
@@ -317,13 +317,63 @@ def test_a_rollout_rank_serves_until_stop_or_a_silent_trainer_and_names_one_lost
     assert calm.trainer_gone() and calm.wait("stop") and not calm.wait("group/0/0")
 
 
+def test_a_rollout_rank_reads_the_trainers_heartbeat_once_a_period(monkeypatch):
+    """The watch runs at every poll (milliseconds apart), the store is read once a heartbeat period: many
+    rollout ranks never load the store with reads of a key that changes once a second."""
+    from minirl import placement
+
+    class Counting:
+        def __init__(self):
+            self.store, self.reads = torch.distributed.HashStore(), 0
+
+        def check(self, keys):
+            return self.store.check(keys)
+
+        def get(self, key):
+            self.reads += key == "trainer/alive"
+            return self.store.get(key)
+
+    store, now = Counting(), [100.0]
+    store.store.set("trainer/alive", "1")
+    monkeypatch.setattr(placement.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(placement.signal, "signal", lambda *a: None)
+    term, reads = placement._Term(store, 1), []
+    for t in (100.0, 100.5, 100.99, 101.0, 101.5, 102.0):
+        now[0] = t
+        term.trainer_gone()
+        reads.append(store.reads)
+    assert reads == [1, 1, 1, 2, 2, 3]
+
+
+def test_the_trainers_heartbeat_counts_up_once_a_period(monkeypatch):
+    """Train rank 0's heartbeat (its own store client, a daemon thread): beats 1, 2, 3, ... a heartbeat
+    period apart; a count, not a clock (the hosts' clocks need not agree)."""
+    from minirl import placement
+
+    class Enough(Exception):
+        pass
+
+    beats, slept = [], []
+
+    class Client:
+        def set(self, key, value):
+            beats.append((key, value))
+            if len(beats) == 3:
+                raise Enough
+
+    monkeypatch.setattr(placement.time, "sleep", slept.append)
+    with pytest.raises(Enough):
+        placement._heartbeat(Client())
+    assert beats == [("trainer/alive", str(n)) for n in (1, 2, 3)] and slept == [placement.HEARTBEAT_S] * 2
+
+
 def test_disaggregated_placement_in_one_process_serves_every_group_once_and_every_version(tiny_path, world, tmp_path,
                                                                                           monkeypatch, capfd):
     """The disaggregated protocol without processes or vLLM: the train side (StoreGroups, a world of one) in
     this thread, one rollout rank (rollout_rank, a scripted engine) in another, over a real TCPStore and a
     real gloo refit group. Streaming (a chunk from one ready group): each step consumes its 4 groups once,
-    every version reaches the engine as weights, the due evals come back in order, and the store holds no
-    group after its step."""
+    every version reaches the engine as weights, the due evals come back in order, the store holds no
+    group after its step, and the rollout rank serves until the trainer says stop."""
     import faulthandler
     import threading
 
@@ -343,30 +393,37 @@ def test_disaggregated_placement_in_one_process_serves_every_group_once_and_ever
 
     monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(Seen(*a, **k)) or engines[-1])
     monkeypatch.setattr(placement.signal, "signal", lambda *a: None)  # the rollout rank is a thread here
-    monkeypatch.setattr(placement, "_heartbeat", lambda client: None)  # its watch is tested on its own
+    beating = []  # the heartbeat's thread: a daemon, which never keeps a finished trainer alive
+    monkeypatch.setattr(placement, "_heartbeat", lambda client: beating.append(threading.current_thread().daemon))
     host = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True)
     store = refit.run_store("127.0.0.1", host.port)  # each side a client of its own, as each rank has
     roles = refit.Roles(0, 2, 1, dist.Devices(trainer=None, engine=torch.device("cpu")))
     rollout = threading.Thread(target=placement.rollout_rank, daemon=True,  # a failed test never keeps pytest alive
                                args=(ready_for(args, tiny_path), roles, refit.run_store("127.0.0.1", host.port)))
     rollout.start()
+    source, serving_at_stop = placement.StoreGroups(args, store, world), []
+    stop = source.stop
+    source.stop = lambda: (serving_at_stop.append((rollout.join(1), rollout.is_alive())[1]), stop())
     faulthandler.dump_traceback_later(180, exit=True)  # a protocol that deadlocks fails the suite, never hangs it
     try:
-        recs = train_in_process(args, tiny_path, world, placement.StoreGroups(args, store, world))
+        recs = train_in_process(args, tiny_path, world, source)
     finally:
         store.set("stop", b"1")
         rollout.join(60)
         faulthandler.cancel_dump_traceback_later()
-    assert not rollout.is_alive()
+    assert beating == [True] and serving_at_stop == [True] and not rollout.is_alive()  # it outlives the trainer's last use of the store
     assert sampled == [prompt_id(0, k) for k in range(12)]  # step s's groups are prompts 4s .. 4s + 3 (B14)
     rows = re.findall(r"train_pump: step \d+ chunk \d+ groups=\d+ rows=(\d+)", capfd.readouterr().out)
     assert sum(map(int, rows)) == 3 * 4 * 2  # every step's P x G rows, each group's G once
     assert [r["groups_consumed"] for r in recs] == [4, 4, 4]
     assert all(0 <= r["time/wait_first_chunk"] < 60 and 0 <= r["time/tail"] < 60 for r in recs)  # seconds, measured
     assert engines[0].loads == 3  # versions 1, 2 and 3, each as weights
+    assert (engines[0].private, engines[0].log_file) == (True, str(tmp_path / "engine.log"))  # a world of its own
+    assert all(r["rollout_memory_peak_gib"] > 0 for r in recs)  # the rollout rank's peak, posted in the store
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["eval_version"] for r in records if "eval_version" in r] == [0, 2, 3]
     assert not [k for s in range(3) for k in (f"group/{s}/{i}" for i in range(4)) if store.check([k])]
+    assert not [v for v in range(4) if store.check([f"eval/{v}"])]  # only the due versions were scored, each taken
 
 
 def colocated_source(args, world, monkeypatch):
@@ -423,6 +480,12 @@ def test_every_eval_the_rollout_side_posts_is_logged_however_many_arrive_between
     source.write = lambda step, record: written.append((step, record["eval_version"]))
     post(0, 2, 3)  # due: 0, 2 (the interval) and 3 (the last); all three after the last step's record
     assert source.final_eval(3)["eval_version"] == 3 and written == [(0, 0), (2, 2)]
+    args.log.eval_every = 0
+    store.set_timeout(datetime.timedelta(seconds=2))  # a wait for an eval that never comes fails, never hangs
+    assert StoreGroups(args, store, world).final_eval(3) == {}  # evaluation off: nothing to wait for
+    assert source.rollout_memory_gib() == 0.0  # none posted yet: the record logs none
+    store.set("memory/0", "2.5")
+    assert source.rollout_memory_gib() == 2.5
 
 
 STEP_CYCLE = ["generate", "sleep:1", "wake:weights", "load_weights", "wake:kv_cache"]
@@ -440,9 +503,30 @@ def test_colocated_engine_sleeps_from_the_chunk_until_the_refit_after_the_critic
     monkeypatch.setattr(TrainPump, "chunk", lambda self, c: (seen.append(("chunk", engine.state)), chunk(self, c))[1])
     monkeypatch.setattr(TrainPump, "_train_critic",
                         lambda self: (seen.append(("critic", engine.state)), critic(self))[1])
-    train_in_process(args, tiny_path, world, source)
+    recs = train_in_process(args, tiny_path, world, source)
     assert seen == [("chunk", "asleep"), ("critic", "asleep")] * 2
     assert engine.log == STEP_CYCLE * 2 + ["sleep:1"]  # the run's end hands the card to the export
+    assert not [r for r in recs if "rollout_memory_peak_gib" in r]  # each engine is in its own rank's peak
+
+
+def test_a_failing_colocated_run_puts_its_engine_to_sleep_closes_it_and_raises_its_own_error(tiny_path, world,
+                                                                                            tmp_path, monkeypatch):
+    """B24 in PPO's colocated placement: a failure while the engine is awake (step 1's sampling) sends it to
+    sleep and closes it, and the error raised is the one that stopped the run."""
+    args = small_ppo_args(tmp_path, steps=2)
+    source, engine = colocated_source(args, world, monkeypatch)
+    calls, closed, generate = [], [], engine.generate
+
+    def failing_at_step_1(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("sampling failed")
+        return generate(*a, **k)
+
+    engine.generate, engine.close = failing_at_step_1, lambda: closed.append(1)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        train_in_process(args, tiny_path, world, source)
+    assert engine.log[-2:] == ["wake:kv_cache", "sleep:1"] and engine.state == "asleep" and closed == [1]
 
 
 def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_sampling(tiny_path, world, tmp_path,
