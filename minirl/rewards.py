@@ -72,10 +72,8 @@ def is_number(text: str) -> bool:
 
 
 def same_number(a: str, b: str) -> bool:
-    try:
-        return float(a.replace(",", "").rstrip(".")) == float(b.replace(",", ""))
-    except ValueError:
-        return False
+    """Two numbers `_NUM` matched (each a float once its thousands commas go) hold the same value."""
+    return float(a.replace(",", "")) == float(b.replace(",", ""))
 
 
 def normalise(text: str) -> str:

@@ -244,11 +244,9 @@ def engine_gib(args, role: str, device_type: str = "cuda") -> float:
         else args.rollout.kv_cache_gib
 
 
-def publish_gib(args, hf: dict | None, terms: dict | None) -> float:
+def publish_gib(args, hf: dict, terms: dict) -> float:
     """A colocated publish (GiB): the engine's weights wake while the trainer's parameters and optimizer
     state are still on the card."""
-    if not hf or not terms:
-        return 0.0
     weights = parameter_counts(hf)["total"] * models.DTYPES[args.model.dtype].itemsize / GIB
     return weights + terms["params"] + terms["optimizer"]
 
