@@ -76,13 +76,10 @@ class ReadyGroups:
     def _eligible(self) -> list[int]:
         if self.name == "ready_first":
             return sorted(self.ready)
-        # in_order: the contiguous run of ready groups from the oldest not yet claimed
-        taken = set(self.claimed)
-        start = min((i for i in range(self.num_prompts) if i not in taken), default=self.num_prompts)
+        # in_order: the contiguous run of ready groups after the claimed ones (each claim is such a run, so
+        # the claimed groups are always 0 .. len(claimed) - 1)
         run = []
-        for i in range(start, self.num_prompts):
-            if i in taken:
-                continue
+        for i in range(len(self.claimed), self.num_prompts):
             if i not in self.ready:
                 break
             run.append(i)

@@ -57,6 +57,14 @@ def test_micro_batch_must_split_over_the_data_parallel_ranks():
         a.validate(4)
 
 
+def test_micro_batches_are_sized_by_rows_or_by_a_token_budget_never_both():
+    args(micro_batch_per_replica=8).validate(1)
+    args(max_tokens_per_micro_batch=512).validate(1)
+    with pytest.raises(ConfigError, match=r"set one of --rl\.micro-batch-per-replica \(fixed rows\) and "
+                                          r"--rl\.max-tokens-per-micro-batch \(token budget\), not both"):
+        args(micro_batch_per_replica=8, max_tokens_per_micro_batch=512).validate(1)
+
+
 def test_grad_accum_is_retired_for_grpo():
     with pytest.raises(ConfigError, match="retired"):
         args(grad_accum=2).validate(1)
