@@ -422,6 +422,23 @@ def test_a_grpo_resume_from_a_ppo_checkpoint_fails_before_the_model_is_built(tmp
     assert "loading the policy" not in p.stdout  # refused before anything was built
 
 
+def test_a_loop_state_without_a_step_count_and_a_partial_folder_are_refused_by_the_tools_too(tmp_path, world,
+                                                                                            tiny_path):
+    """What the tools read of a checkpoint: its step count (a loop state without one, or not a number, is named as
+    unreadable), and one part's weights (`load_model`: a folder without the COMPLETE marker is refused)."""
+    path, _ = saved(tmp_path, world, tiny_path)
+    state = os.path.join(path, "loop_state.json")
+    for bad, why in (({}, "KeyError"), ({"steps_done": "one"}, "ValueError")):
+        with open(state, "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {re.escape(path)}: unreadable "
+                                                             f"loop_state.json \\({why}"):
+            checkpoint.steps_done(path)
+    os.remove(os.path.join(path, checkpoint.MARKER))
+    with pytest.raises(checkpoint.CheckpointError, match="has no COMPLETE marker: it is partial and will not be loaded"):
+        checkpoint.load_model(path, "policy", models.sharded(tiny_path, "policy", world, "float32"))
+
+
 def test_steps_below_the_steps_done_are_refused_and_equal_ones_resume_to_finish_the_run(tmp_path, world, tiny_path):
     """Fewer --steps than the checkpoint holds is refused, not a silent no-op; as many resumes, to finish a run
     stopped after its last step (its export)."""

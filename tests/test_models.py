@@ -253,6 +253,25 @@ def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path
     assert f"could not be fetched (OSError: {'x' * 160}); give an existing" in str(e.value)
 
 
+def test_a_model_path_is_a_folder_a_fetched_hub_name_or_refused_naming_both(monkeypatch, tmp_path, tiny_path):
+    """Neither a folder nor shaped like a hub name (`owner/name`): refused at once. A hub name fetches only the
+    files a model needs, and the folder it lands in is checked like a local one."""
+    from minirl.config import ConfigError, ModelConfig
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"--model.path='no-such-folder' does not exist; give a local model folder, "
+                                          r"a hub name like Qwen/Qwen2.5-0.5B-Instruct, or `tiny` for the built-in"):
+        models.resolve_path(ModelConfig(path="no-such-folder"))
+    import huggingface_hub
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: asked.append((name, kw)) or tiny_path)
+    assert models.resolve_path(ModelConfig(path="owner/model")) == tiny_path
+    assert asked == [("owner/model", {"allow_patterns": ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]})]
+    checked = []
+    monkeypatch.setattr(models, "check_folder", checked.append)
+    models.resolve_path(ModelConfig(path="owner/model"))
+    assert checked == [tiny_path]
+
+
 def test_entropy_from_the_chunked_head_equals_the_full_distributions(tiny_path, monkeypatch):
     """In float64. The two heads sum in different orders: each logit is a dot product of H terms, each
     log-sum-exp a sum of V, so float32 rounding alone may part them by about 2(gamma_H S + gamma_V)

@@ -270,6 +270,10 @@ def test_colocated_offload_false_only_syncs(world):
     h.publish()
     assert h.events == ["weight_sync"] and not h.trainer.offloaded
     assert eng.log == ["load_weights"]
+    h.save_after_publication(lambda: eng.log.append("save"))  # saved in place: nothing slept, nothing changed
+    h.cleanup()  # a failure: the engine was never put to sleep, so it is not now
+    assert h.events == ["weight_sync", "checkpoint.save"] and eng.log == ["load_weights", "save"]
+    assert eng.state == "awake" and not h.trainer.offloaded
 
 
 @pytest.mark.gpu
