@@ -435,7 +435,8 @@ def test_a_loop_state_without_a_step_count_and_a_partial_folder_are_refused_by_t
                                                              f"loop_state.json \\({why}"):
             checkpoint.steps_done(path)
     os.remove(os.path.join(path, checkpoint.MARKER))
-    with pytest.raises(checkpoint.CheckpointError, match="has no COMPLETE marker: it is partial and will not be loaded"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="has no COMPLETE marker: it is partial and will not be loaded"):
         checkpoint.load_model(path, "policy", models.sharded(tiny_path, "policy", world, "float32"))
 
 

@@ -268,21 +268,14 @@ def test_the_loop_samples_each_steps_prompts_in_order_and_reports_the_whole_batc
     """grpo.main around a scripted engine (no vLLM): step s samples prompt ids s*P .. s*P + P - 1 (B14); the
     run's optimizer steps, steps x n_mini x mu_iterations, follow one cosine schedule; one weight sync per
     collected batch (B4); tokens per second counts the whole batch; an eval scores the policy after its step."""
-    sampled = []
-
-    class Seen(ScriptedEngine):
-        def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
-            if not greedy:
-                sampled.append(list(dict.fromkeys(prompt_ids)))  # each group's id once
-            return super().generate(prompts, prompt_ids, group_size, greedy, max_tokens)
-
-    monkeypatch.setattr(grpo, "Engine", Seen)
+    built = []
+    monkeypatch.setattr(grpo, "Engine", lambda *a, **k: built.append(ScriptedEngine(*a, **k)) or built[-1])
     grpo.main(["--steps", "3", "--rl.batch-per-replica", "8", "--rl.group-size", "2", "--rl.mini-batch-per-replica",
                "4", "--rl.mu-iterations", "2", "--rl.lr-schedule", "cosine", "--log.eval-every", "2",
                "--task.eval-prompts", "4", "--log.run-dir", str(tmp_path)])
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if "reward_mean" in r]
-    assert sampled == [[prompt_id(0, s * 4 + i) for i in range(4)] for s in range(3)]  # P = 8 / 2
+    assert built[0].sampled == [[prompt_id(0, s * 4 + i) for i in range(4)] for s in range(3)]  # P = 8 / 2
     assert [r["optimizer_steps"] for r in steps] == [4, 8, 12] and [r["weight_syncs"] for r in steps] == [1, 1, 1]
     cosine = lambda k: 1e-4 * 0.5 * (1 + math.cos(math.pi * k / 12))  # noqa: E731  (12 steps in the run)
     assert [r["lr"] for r in steps] == pytest.approx([cosine(3), cosine(7), cosine(11)], rel=1e-9)

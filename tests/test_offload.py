@@ -15,10 +15,11 @@ CYCLE = ["rollout.sleep", "trainer.onload", "rollout.wake_up(weights)", "weight_
 
 
 class RecordingEngine(Engine):
-    """The real Engine's sleep/wake state machine without vLLM; every call lands in `log`."""
+    """The real Engine's sleep/wake state machine without vLLM; every call lands in `log` (and, for a
+    ScriptedEngine, each sampling call's prompt ids, a group's once, in `sampled`)."""
 
     def __post_init__(self):
-        self._vllm_sleeps, self.log, self.fail_sleep = False, [], False
+        self._vllm_sleeps, self.log, self.fail_sleep, self.sampled = False, [], False, []
 
     def sleep(self, level=None):
         if self.fail_sleep:
@@ -390,6 +391,8 @@ class ScriptedEngine(RecordingEngine):
     def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
         from minirl.rollout import Samples
         super().generate()  # recorded; refused unless awake with fresh weights
+        if not greedy:
+            self.sampled.append(list(dict.fromkeys(prompt_ids)))
         g = torch.Generator().manual_seed(sum(prompt_ids) + len(self.log))
         rows = len(prompts) * group_size
         lengths = torch.randint(1, 5, (rows,), generator=g).tolist()

@@ -122,10 +122,10 @@ def small_ppo_args(tmp_path, steps):
     return args
 
 
-def train_in_process(args, tiny_path, world, source):
+def train_in_process(args, tiny_path, world, source, resume=None):
 
     from minirl import ppo
-    ppo.train(ready_for(args, tiny_path), world, source)
+    ppo.train(ready_for(args, tiny_path, resume), world, source)
     return [json.loads(line) for line in open(args.log.run_dir + "/metrics.jsonl") if "reward_mean" in line]
 
 
@@ -264,7 +264,7 @@ def test_a_resumed_run_reports_each_optimizers_next_rate_from_its_own_schedule(t
     """Critic warmup 1, 2 policy and 2 critic epochs a step, a 10-step linear warmup of both rates: resumed
     at step 1 the policy has taken no step (its next is its schedule's step 0) and the critic 2; at step 2,
     2 and 4. Each checkpoint's optimizer holds another rate, so each resume says the next one."""
-    from minirl import checkpoint, ppo
+    from minirl import checkpoint
     from minirl.accumulator import lr_schedule
     resumed = []
     for steps in (1, 2, 3):
@@ -273,7 +273,7 @@ def test_a_resumed_run_reports_each_optimizers_next_rate_from_its_own_schedule(t
         args.ppo.ppo_epochs = args.ppo.critic_ppo_epochs = 2
         args.ppo.lr, args.ppo.value_lr = 1e-4, 2e-4
         resume = checkpoint.find("auto", args.checkpoint_dir) if steps > 1 else None
-        ppo.train(ready_for(args, tiny_path, resume), world, RecordingSource(args, False, []))
+        train_in_process(args, tiny_path, world, RecordingSource(args, False, []), resume)
         out = capsys.readouterr().out
         resumed += re.findall(r"(--ppo\.(?:value-)?lr): the checkpoint's optimizer was at lr \S+; the schedule of "
                               r"the flags sets the rate, (\S+) at the next step", out)
@@ -383,15 +383,8 @@ def test_disaggregated_placement_in_one_process_serves_every_group_once_and_ever
     args = small_ppo_args(tmp_path, steps=3)
     args.ppo.num_prompts_per_step, args.async_rl.min_groups_for_streaming_train = 4, 1
     args.log.eval_every, args.task.eval_prompts = 2, 4
-    engines, sampled = [], []
-
-    class Seen(ScriptedEngine):
-        def generate(self, prompts, prompt_ids, group_size, greedy=False, max_tokens=None):
-            if not greedy:
-                sampled.extend(dict.fromkeys(prompt_ids))  # each group's id once
-            return super().generate(prompts, prompt_ids, group_size, greedy, max_tokens)
-
-    monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(Seen(*a, **k)) or engines[-1])
+    engines = []
+    monkeypatch.setattr(placement, "Engine", lambda *a, **k: engines.append(ScriptedEngine(*a, **k)) or engines[-1])
     monkeypatch.setattr(placement.signal, "signal", lambda *a: None)  # the rollout rank is a thread here
     beating = []  # the heartbeat's thread: a daemon, which never keeps a finished trainer alive
     monkeypatch.setattr(placement, "_heartbeat", lambda client: beating.append(threading.current_thread().daemon))
@@ -411,7 +404,9 @@ def test_disaggregated_placement_in_one_process_serves_every_group_once_and_ever
         store.set("stop", b"1")
         rollout.join(60)
         faulthandler.cancel_dump_traceback_later()
-    assert beating == [True] and serving_at_stop == [True] and not rollout.is_alive()  # it outlives the trainer's last use of the store
+    assert beating == [True] and not rollout.is_alive()
+    assert serving_at_stop == [True]  # the rollout rank outlives the trainer's last use of the store
+    sampled = [i for call in engines[0].sampled for i in call]
     assert sampled == [prompt_id(0, k) for k in range(12)]  # step s's groups are prompts 4s .. 4s + 3 (B14)
     rows = re.findall(r"train_pump: step \d+ chunk \d+ groups=\d+ rows=(\d+)", capfd.readouterr().out)
     assert sum(map(int, rows)) == 3 * 4 * 2  # every step's P x G rows, each group's G once
@@ -541,9 +536,7 @@ def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_s
     source, engine = colocated_source(args, world, monkeypatch)
     load = checkpoint.load
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (engine.log.append("load"), load(*a, **k))[1])
-
-    from minirl import ppo
-    ppo.train(ready_for(args, tiny_path, resume=ckpt), world, source)
+    train_in_process(args, tiny_path, world, source, resume=ckpt)
     assert engine.log[:6] == ["sleep:1", "load", "wake:weights", "load_weights", "wake:kv_cache", "generate"]
 
 
