@@ -140,9 +140,13 @@ def without_times(recs):
 
 @pytest.fixture(scope="module")
 def seeded_pair(tmp_path_factory):
-    """Two runs with the same seed and config, and one micro-batched (gates of B16)."""
+    """Two runs with the same seed and config, and one micro-batched (gates of B16). The tiny model without
+    its warm start stops anywhere (unequal lengths) and never writes the count, so the reward is a length
+    penalty, which a completion the cap cuts keeps: groups differ, and the updates move the weights."""
+    reward = tmp_path_factory.mktemp("reward") / "shorter.py"
+    reward.write_text("def shorter(completion, answer):\n    return -len(completion) / 8\n")
     base = ["--steps", "2", "--log.eval-every", "0", "--rl.batch-per-replica", "32", "--rl.group-size", "4",
-            "--rollout.max-tokens", "8", "--model.tiny.warm-start-steps", "0"]  # stops anywhere: unequal lengths
+            "--rollout.max-tokens", "8", "--model.tiny.warm-start-steps", "0", "--task.reward", f"{reward}:shorter"]
     dirs = {}
     for name, extra in [("a", []), ("b", []), ("micro", ["--rl.micro-batch-per-replica", "8"])]:
         d = tmp_path_factory.mktemp(name)
@@ -165,7 +169,9 @@ def test_chunked_equivalence_micro_batched_run_matches(seeded_pair):
     for x, y in zip(ra, rm):
         assert x["reward_mean"] == y["reward_mean"] and x["grpo_denom"] == y["grpo_denom"]
         assert x["completion_len_max"] > x["completion_len_mean"]  # lengths really are unequal
+        assert x["grad_norm"] > 0.1 and x["frac_reward_zero_std"] < 0.5  # a real update (all-zero rewards: none)
         assert abs(x["grpo_loss"] - y["grpo_loss"]) < 1e-6
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)  # before the clip: the same scale
     a, m = final_weights(seeded_pair["a"]), final_weights(seeded_pair["micro"])
     diff = max((a[k] - m[k]).abs().max().item() for k in a)
     print(f"chunked vs un-chunked final weights: max |diff| = {diff:.2e}")
