@@ -105,8 +105,12 @@ def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smo
 
 
 def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, arith, tmp_path):
+    """Both models move: the strict reward pays nothing in 8 tokens and the new value head says 0, so with it
+    every advantage, return and gradient was 0; a reward of the completion's length differs by row."""
+    (tmp_path / "length.py").write_text("def longer(completion, answer):\n    return len(completion) / 100\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",
              "--model.path", smollm2_path, "--task.name", "jsonl", "--task.path", str(arith / "train.jsonl"),
+             "--task.reward", f"{tmp_path}/length.py:longer",
              "--task.eval-path", str(arith / "test.jsonl"), "--task.eval-prompts", "2", "--steps", "1",
              "--ppo.num-prompts-per-step", "2", "--ppo.num-generations-per-prompt", "2",
              "--async-rl.min-groups-for-streaming-train", "1", "--async-rl.rollout-groups-per-call", "1",
@@ -115,4 +119,5 @@ def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, ari
     assert p.returncode == 0
     rec = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
     assert len(rec) == 1 and "ppo_loss" in rec[0] and rec[0]["value_epoch_n"] == 4 and rec[0]["ppo_chunks"] >= 1
+    assert rec[0]["reward_std"] > 0 and rec[0]["grad_norm"] > 0 and rec[0]["value_grad_norm"] > 0
     assert (tmp_path / "final" / "model.safetensors").exists()
