@@ -105,8 +105,8 @@ def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smo
 
 
 def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, arith, tmp_path):
-    """Both models move: the strict reward pays nothing in 8 tokens and the new value head says 0, so with it
-    every advantage, return and gradient was 0; a reward of the completion's length differs by row."""
+    """Both models move. Under the strict reward (nothing earned in 8 tokens) and the new value head (0
+    everywhere) every advantage, return and gradient was 0; a reward of the completion's length differs by row."""
     (tmp_path / "length.py").write_text("def longer(completion, answer):\n    return len(completion) / 100\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",
              "--model.path", smollm2_path, "--task.name", "jsonl", "--task.path", str(arith / "train.jsonl"),
