@@ -5,7 +5,7 @@ whose thread count (`dist.place` gives each rank cpu_count / local ranks threads
 a sum otherwise: `make test` in a fresh clone failed so twice. This runs the fast tests once per machine
 shape, each in a process that sees that many cores (os.cpu_count, the affinity mask, the OpenMP and MKL
 pools) or that vector unit (ATen, oneDNN and MKL held to AVX2, or ATen's scalar kernels), and prints a
-line per shape: its pass / fail count and each failed test.
+line per shape: its pass / fail count and each failed test; exit 1 if any test failed.
 
     .venv/bin/python bench/machines.py                                # 1, 4, 16, 64 cores; avx2; scalar
     .venv/bin/python bench/machines.py --cores 16 --isa -- tests/test_stream.py   # some shapes, some tests
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--isa", nargs="*", default=["avx2", "default"], help="ATen capabilities (default: scalar)")
     ap.add_argument("tests", nargs="*", help="pytest arguments after --; default: the whole fast suite")
     args = ap.parse_args()
+    ok = True
     with tempfile.TemporaryDirectory() as site:
         with open(os.path.join(site, "sitecustomize.py"), "w") as f:
             f.write(SITE)
@@ -63,6 +64,8 @@ def main() -> None:
             print(f"{name:>12}: {summary}", flush=True)
             for failed in re.findall(r"^FAILED (\S+)", p.stdout, re.M):
                 print(f"{'':>14}{failed}", flush=True)
+            ok = ok and p.returncode == 0
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
