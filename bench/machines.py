@@ -44,7 +44,8 @@ def shapes(cores: list[int], isa: list[str]) -> list[tuple[str, dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cores", type=int, nargs="*", default=[1, 4, 16, 64])
-    ap.add_argument("--isa", nargs="*", default=["avx2", "default"], help="ATen capabilities (default: scalar)")
+    ap.add_argument("--isa", nargs="*", default=["avx2", "default"],
+                    help="ATen CPU capabilities to run as (`default`: its scalar kernels; the flag alone: none)")
     ap.add_argument("tests", nargs="*", help="pytest arguments after --; default: the whole fast suite")
     args = ap.parse_args()
     ok = True
@@ -53,13 +54,13 @@ def main() -> None:
             f.write(SITE)
         for name, env in shapes(args.cores, args.isa):
             path = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+            env = {**os.environ, **env, "PYTHONPATH": path}
             seen = subprocess.run([sys.executable, "-c", "import os; print(os.cpu_count())"], capture_output=True,
-                                  text=True, env={**os.environ, **env, "PYTHONPATH": path}).stdout.strip()
+                                  text=True, env=env).stdout.strip()
             if env.get("MINIRL_BENCH_CORES", seen) != seen:  # another sitecustomize came first on the path
                 raise SystemExit(f"bench/machines.py: a process asked to see {name} saw {seen} cores")
             p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "-m", FAST,
-                                *args.tests], cwd=ROOT, capture_output=True, text=True,
-                               env={**os.environ, **env, "PYTHONPATH": path})
+                                *args.tests], cwd=ROOT, capture_output=True, text=True, env=env)
             summary = (re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", p.stdout, re.M) or ["no summary"])[-1]
             print(f"{name:>12}: {summary}", flush=True)
             for failed in re.findall(r"^FAILED (\S+)", p.stdout, re.M):

@@ -31,6 +31,15 @@ def arith(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def longer(tmp_path_factory):
+    """A reward whose groups differ (the completion's length), so a step moves: the strict one pays nothing
+    in the 8 tokens these runs sample."""
+    path = tmp_path_factory.mktemp("reward") / "length.py"
+    path.write_text("def longer(completion, answer):\n    return len(completion) / 100\n")
+    return f"{path}:longer"
+
+
 def plain_logprobs(model, ids):
     """transformers' own: the full logits' float32 log-softmax at each next token."""
     logits = model(input_ids=ids).logits.float()
@@ -76,11 +85,10 @@ def test_vllm_generates_this_llama_and_its_logprobs_are_the_trainers(smollm2_pat
             assert (mine - torch.tensor(lps)).abs().max().item() < 2e-3  # float32 CPU kernels, 30 layers
 
 
-def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smollm2_path, arith, tmp_path):
+def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smollm2_path, arith, longer, tmp_path):
     d = tmp_path / "run"
-    (tmp_path / "length.py").write_text("def longer(completion, answer):\n    return len(completion) / 100\n")
     p = run([sys.executable, "-m", "minirl.grpo", "--model.path", smollm2_path, "--task.name", "jsonl",
-             "--task.reward", f"{tmp_path}/length.py:longer",  # a reward whose groups differ: the step moves
+             "--task.reward", longer,  # a reward whose groups differ: the step moves
              "--task.path", str(arith / "train.jsonl"), "--task.eval-path", str(arith / "test.jsonl"),
              "--task.eval-prompts", "2", "--steps", "1", "--rl.batch-per-replica", "4", "--rl.group-size", "2",
              "--rollout.max-tokens", "8", "--rollout.max-prompt-tokens", "96", "--log.eval-every", "1",
@@ -104,13 +112,12 @@ def test_one_grpo_step_on_chat_prompts_exports_a_folder_transformers_reloads(smo
         assert (mine - plain_logprobs(back, ids)[0]).abs().max().item() < 1e-4
 
 
-def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, arith, tmp_path):
+def test_one_streamed_ppo_step_trains_this_model_with_a_critic(smollm2_path, arith, longer, tmp_path):
     """Both models move. Under the strict reward (nothing earned in 8 tokens) and the new value head (0
     everywhere) every advantage, return and gradient was 0; a reward of the completion's length differs by row."""
-    (tmp_path / "length.py").write_text("def longer(completion, answer):\n    return len(completion) / 100\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minirl.ppo",
              "--model.path", smollm2_path, "--task.name", "jsonl", "--task.path", str(arith / "train.jsonl"),
-             "--task.reward", f"{tmp_path}/length.py:longer",
+             "--task.reward", longer,
              "--task.eval-path", str(arith / "test.jsonl"), "--task.eval-prompts", "2", "--steps", "1",
              "--ppo.num-prompts-per-step", "2", "--ppo.num-generations-per-prompt", "2",
              "--async-rl.min-groups-for-streaming-train", "1", "--async-rl.rollout-groups-per-call", "1",
