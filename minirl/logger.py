@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import time
@@ -119,7 +120,8 @@ class RunLog:
             self.step_times.append(record["time/step"])
         if not self.enabled:
             return
-        _append(self._file, [json.dumps(record) + "\n"])
+        strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        _append(self._file, [json.dumps(strict) + "\n"])  # NaN and inf as null: strict JSON, as samples.jsonl
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for k, v in scalars.items():

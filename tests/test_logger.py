@@ -20,6 +20,18 @@ def test_records_are_flushed_per_step_and_a_resume_keeps_earlier_steps(tmp_path)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
+def test_a_number_without_a_value_is_written_as_null_so_strict_json_readers_read_the_history(tmp_path):
+    log = RunLog(str(tmp_path), enabled=True)
+    log.write({"step": 0, "value_explained_var": float("nan"), "grad_norm": float("inf"), "reward_mean": 0.5})
+    log.close()
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    line = open(tmp_path / "metrics.jsonl").readline()
+    assert json.loads(line, parse_constant=refuse) == {"step": 0, "value_explained_var": None, "grad_norm": None,
+                                                       "reward_mean": 0.5}
+
+
 def test_eval_samples_go_to_samples_jsonl_the_console_shows_some_and_a_resume_trims_them(tmp_path, capsys):
     rows = [{"prompt": f"ab{i}#a=", "completion": "1" * i, "answer": "1", "reward": float(i == 1), "clipped": i == 3}
             for i in range(4)]
