@@ -38,7 +38,6 @@ class Group:
 
     index: int        # issue order within the step's batch
     version: int
-    payload: object = None
 
 
 @dataclass
