@@ -52,7 +52,6 @@ class ReadyGroups:
     ready: dict[int, Group] = field(default_factory=dict)
     claimed: dict[int, Group] = field(default_factory=dict)
     released: int = 0
-    stale_dropped: int = 0
 
     def __post_init__(self):
         if self.name not in ("in_order", "ready_first"):
@@ -65,7 +64,6 @@ class ReadyGroups:
     def add(self, group: Group, step: int) -> bool:
         """A group finished generating. Returns False (dropped) if it is too stale for this step."""
         if step - group.version > self.max_lookahead_versions:
-            self.stale_dropped += 1
             return False
         if group.index in self.ready or group.index in self.claimed:  # `python -O` keeps this check
             raise ValueError(f"duplicate group {group.index}: it is already {'ready' if group.index in self.ready else 'claimed'}")
