@@ -114,6 +114,7 @@ class _Late(BaseException):
 
 
 WARN_S = 60.0  # a reward function that has not returned for this long gets a line naming it
+LATE = signal.SIGRTMIN  # what ends one at --task.reward-timeout: a signal no library or scheduler sends
 
 
 def load(spec: str) -> Callable:
@@ -257,28 +258,42 @@ class Scorer:
 
     @contextlib.contextmanager
     def _watched(self, i: int, on: list[str]):
-        """While function `i` runs: a line after WARN_S (or half the timeout), `_Late` at the timeout; by
-        SIGALRM, so in the main thread only."""
+        """While function `i` runs, a thread keeps the time: a line after WARN_S (or half the timeout), then
+        `_Late` at the timeout, raised in the function by a signal of minirl's own (LATE), which also breaks a
+        blocking sleep or read. Not SIGALRM: reward libraries set and cancel that alarm themselves (math_verify's
+        parse timeout, under TRL's accuracy_reward, ends with alarm(0)). Python handles signals in the main
+        thread only."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        started, first = time.monotonic(), min(WARN_S, self.timeout / 2) if self.timeout else WARN_S
+        done, main = threading.Event(), threading.get_ident()
 
-        def ring(signum, frame):
-            waited = time.monotonic() - started
-            if self.timeout and waited >= self.timeout * 0.999:
+        def keep_time():
+            started, wait = time.monotonic(), min(WARN_S, self.timeout / 2) if self.timeout else WARN_S
+            while not done.wait(wait):
+                waited = time.monotonic() - started
+                if self.timeout and waited >= self.timeout * 0.999:
+                    while not done.is_set():  # again until it ends: a function may catch one BaseException
+                        signal.pthread_kill(main, LATE)
+                        done.wait(0.1)
+                    return
+                self.say(f"warning: --task.reward {self.specs[i]} has not returned for {waited:.0f} s, on {on[0]}"
+                         + ("" if self.timeout else "; --task.reward-timeout S ends the run after S seconds"))
+                wait = min(WARN_S, self.timeout - waited) if self.timeout else WARN_S
+
+        def late(signum, frame):
+            if not done.is_set():  # one that lands as the function returns is too late to matter
                 raise _Late()
-            self.say(f"warning: --task.reward {self.specs[i]} has not returned for {waited:.0f} s, on {on[0]}"
-                     + ("" if self.timeout else "; --task.reward-timeout S ends the run after S seconds"))
-            signal.setitimer(signal.ITIMER_REAL, min(WARN_S, self.timeout - waited) if self.timeout else WARN_S)
 
-        before = signal.signal(signal.SIGALRM, ring)
-        signal.setitimer(signal.ITIMER_REAL, first)
+        before = signal.signal(LATE, late)
+        clock = threading.Thread(target=keep_time, daemon=True)
+        clock.start()
         try:
             yield
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL if before is None else before)  # None: set outside Python
+            done.set()
+            clock.join()  # no signal is sent after this
+            signal.signal(LATE, signal.SIG_DFL if before is None else before)  # None: set outside Python
 
     def check(self, problem) -> None:
         """Call every function once on `problem` with an empty completion (before any model is built): one

@@ -5,6 +5,7 @@ import math
 import re
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -421,7 +422,7 @@ def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_th
         "def stuck(completion, answer):\n    while completion == '7':\n        try:\n            time.sleep(100)\n"
         "        except Exception:\n            pass\n    return 1.0\n")
     monkeypatch.setattr(rewards, "WARN_S", 0.2)
-    said = []
+    said, threads = [], threading.active_count()
     s = Scorer([f"{tmp_path}/slow_rw.py:slow"], [])
     s.say = said.append
     assert s(["3", "7"], ["3", "3"], [False, False])[0] == [1.0, 1.0]  # slow but within no limit: it goes on
@@ -437,7 +438,28 @@ def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_th
         s(["3", "7"], ["3", "3"], [False, False])
     assert e.value.code == 2 and 0.9 < time.monotonic() - t0 < 1.4  # at the timeout, not later
     assert len(said) == 1 and re.search(r"has not returned for [01] s, on the completion '7'$", said[0])
-    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    assert signal.getsignal(rewards.LATE) in (signal.SIG_DFL, None) and threading.active_count() == threads
+
+
+def test_the_timeout_holds_for_a_reward_that_sets_and_cancels_an_alarm_of_its_own_as_math_verify_does(tmp_path):
+    """math_verify (under TRL's accuracy_reward and verl's math_verify.py) bounds each parse by SIGALRM and
+    ends with alarm(0), which cancelled the timer minirl once kept on the same alarm: the function then ran
+    unwatched. Its own alarm still reaches its own handler, and the timeout still ends it."""
+    (tmp_path / "alarm_rw.py").write_text(
+        "import signal, time\n"
+        "def parse_then_hang(completion, answer):\n"
+        "    def handler(signum, frame):\n        raise TimeoutError('its own')\n"
+        "    old = signal.signal(signal.SIGALRM, handler)\n    signal.alarm(1)\n"
+        "    try:\n        time.sleep(5)\n        ended = 'slept'\n    except TimeoutError:\n        ended = 'alarm'\n"
+        "    finally:\n        signal.alarm(0)\n        signal.signal(signal.SIGALRM, old)\n"
+        "    if completion == '7':\n        time.sleep(20)\n    return float(ended == 'alarm')\n")
+    s = Scorer([f"{tmp_path}/alarm_rw.py:parse_then_hang"], [], timeout=2.5)
+    s.say = lambda line: None
+    t0 = time.monotonic()
+    assert s(["3"], ["3"], [False])[0] == [1.0]  # its alarm ended its sleep, as it meant to
+    with pytest.raises(rewards.RewardTimeout, match="no return within --task.reward-timeout=2.5 s"):
+        s(["3", "7"], ["3", "3"], [False, False])
+    assert time.monotonic() - t0 < 8  # ended at the timeout, not after the 20 s sleep
 
 
 def test_each_form_gets_the_keywords_it_takes_and_numbers_of_any_kind_count(tmp_path, monkeypatch):
