@@ -441,10 +441,11 @@ def test_a_reward_that_has_not_returned_is_named_and_the_timeout_ends_it_even_th
     assert signal.getsignal(rewards.LATE) in (signal.SIG_DFL, None) and threading.active_count() == threads
 
 
-def test_the_timeout_holds_for_a_reward_that_sets_and_cancels_an_alarm_of_its_own_as_math_verify_does(tmp_path):
+def test_the_timeout_holds_for_a_reward_that_cancels_an_alarm_of_its_own_or_catches_the_first_stop(tmp_path):
     """math_verify (under TRL's accuracy_reward and verl's math_verify.py) bounds each parse by SIGALRM and
     ends with alarm(0), which cancelled the timer minirl once kept on the same alarm: the function then ran
-    unwatched. Its own alarm still reaches its own handler, and the timeout still ends it."""
+    unwatched. Its own alarm still reaches its own handler, and the timeout still ends it; so it does a judge
+    whose bare `except:` catches the first stop."""
     (tmp_path / "alarm_rw.py").write_text(
         "import signal, time\n"
         "def parse_then_hang(completion, answer):\n"
@@ -452,7 +453,9 @@ def test_the_timeout_holds_for_a_reward_that_sets_and_cancels_an_alarm_of_its_ow
         "    old = signal.signal(signal.SIGALRM, handler)\n    signal.alarm(1)\n"
         "    try:\n        time.sleep(5)\n        ended = 'slept'\n    except TimeoutError:\n        ended = 'alarm'\n"
         "    finally:\n        signal.alarm(0)\n        signal.signal(signal.SIGALRM, old)\n"
-        "    if completion == '7':\n        time.sleep(20)\n    return float(ended == 'alarm')\n")
+        "    if completion == '7':\n        time.sleep(20)\n    return float(ended == 'alarm')\n"
+        "def swallows_one(completion, answer):\n    try:\n        time.sleep(20)\n    except BaseException:\n"
+        "        time.sleep(20)\n    return 1.0\n")
     s = Scorer([f"{tmp_path}/alarm_rw.py:parse_then_hang"], [], timeout=2.5)
     s.say = lambda line: None
     t0 = time.monotonic()
@@ -460,6 +463,11 @@ def test_the_timeout_holds_for_a_reward_that_sets_and_cancels_an_alarm_of_its_ow
     with pytest.raises(rewards.RewardTimeout, match="no return within --task.reward-timeout=2.5 s"):
         s(["3", "7"], ["3", "3"], [False, False])
     assert time.monotonic() - t0 < 8  # ended at the timeout, not after the 20 s sleep
+    s = Scorer([f"{tmp_path}/alarm_rw.py:swallows_one"], [], timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(rewards.RewardTimeout):
+        s(["3"], ["3"], [False])
+    assert time.monotonic() - t0 < 5  # the stop came again
 
 
 def test_each_form_gets_the_keywords_it_takes_and_numbers_of_any_kind_count(tmp_path, monkeypatch):
