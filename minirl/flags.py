@@ -117,6 +117,10 @@ ELSEWHERE = {
 # verl's critic.* keys whose minirl flag is not the policy's (PPO's; GRPO has no critic)
 CRITIC = {"lr": "--ppo.value-lr", "ppo_epochs": "--ppo.critic-ppo-epochs", "cliprange_value": "--ppo.clip-eps",
           "ppo_micro_batch_size_per_gpu": "--ppo.critic-micro-batch-rows"}
+REWARD = "--task.reward path/to/file.py:function"  # verl's custom_reward_function.path and .name, in one flag
+# verl's groups whose keys are not minirl's flags of the same last name: the reward model's (its model.path is
+# not --model.path), the validation's sampling, a data or server class's path and name, the profiler's steps
+FOREIGN = {"reward-model", "val-kwargs", "custom-async-server", "custom-cls", "datagen", "profiler", "global-profiler"}
 
 
 def elsewhere(name: str, command) -> str:
@@ -125,8 +129,10 @@ def elsewhere(name: str, command) -> str:
     a TRL or verl one ('' if none)."""
     parts, loop = name.lstrip("-").split("=")[0].replace("_", "-").split("."), getattr(command, "LOOP", "")
     key, critic = parts[-1].replace("-", "_"), "critic" in parts[:-1]
-    if critic and loop != "ppo":
-        return ""
+    if critic and loop != "ppo" or FOREIGN & set(parts[:-1]) or parts[-2:] == ["rollout", "name"]:
+        return ""  # no critic in GRPO; verl's other groups; its rollout engine's name (vllm)
+    if "custom-reward-function" in parts[:-1]:
+        return f"did you mean {REWARD}?"
     same = sorted(f"--{f}" for f in _flags(command) if f.split(".")[-1] == parts[-1])
     same = [f for f in same if f.endswith(".".join(parts[-2:]))] or same  # verl's model.path: --model.path
     hint = CRITIC.get(key, "") if critic else ""

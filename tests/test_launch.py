@@ -314,7 +314,7 @@ def test_every_flag_a_trl_or_verl_name_is_pointed_to_is_one_of_that_commands():
     from minirl.config_ppo import PPOArgs
     from minirl.flags import CRITIC, ELSEWHERE, _flags, elsewhere
     for cls in (GRPOArgs, PPOArgs):
-        names = [*ELSEWHERE, *(f"critic.{name}" for name in CRITIC)]
+        names = [*ELSEWHERE, *(f"critic.{name}" for name in CRITIC), "custom_reward_function.path"]
         pointed = {f for name in names for f in re.findall(r"--([\w.-]+)", elsewhere(name, cls))}
         assert pointed and pointed <= _flags(cls), sorted(pointed - _flags(cls))
 
@@ -346,6 +346,14 @@ def test_verls_critic_keys_point_to_the_critics_flags_in_ppo_and_nowhere_in_grpo
     ("chat_template_kwargs: {}\n", "did you mean --task.chat-template-kwargs"),
     ("rl:\n  seed: 1\n", "rl.seed is not a flag of this command (see --help); did you mean --seed?"),
     ("every: 5\n", "did you mean --checkpoint.every or --log.every?"),
+    # verl's reward function is a path and a name: one flag here (by its last name, `path` was --model.path)
+    ("custom_reward_function:\n  path: my.py\n  name: compute_score\n", "custom_reward_function.path (did you mean "
+     "--task.reward path/to/file.py:function?), custom_reward_function.name (did you mean --task.reward"),
+    # verl's keys that mean something else than minirl's flag of their last name get no pointer (they got
+    # --model.path for the reward model's path, --rollout.temperature for the validation's, --task.name for vllm)
+    ("reward_model:\n  model:\n    path: rm\nactor_rollout_ref:\n  rollout:\n    val_kwargs:\n      temperature: 0\n"
+     "    name: vllm\ntrainer:\n  nnodes: 1\n", "(see --help): reward_model.model.path, "
+     "actor_rollout_ref.rollout.val_kwargs.temperature, actor_rollout_ref.rollout.name, trainer.nnodes"),
     # every key a file cannot take at once: a TRL file's, and each one in a group minirl lacks (verl's)
     ("learning_rate: 1e-6\nbf16: true\nuse_vllm: true\n", "--config: 3 keys are not flags of this command (see "
      "--help): learning_rate (did you mean --rl.lr?), bf16 (did you mean --model.dtype bfloat16?), use_vllm (TRL's"),
