@@ -4,8 +4,8 @@
 weighted by `--task.reward-weights`. Each is imported and called once on the first training row when
 the flags are checked, before any model is built; its form is read once from its parameters (`kind`):
 minirl's `f(completion, answer) -> float`, TRL's batched `f(completions, **columns) -> list[float |
-None]`, or verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`; TRL's and verl's
-may be `async def`. The defaults:
+None]` (or `completion_ids`, `prompts`), or verl's `compute_score(data_source, solution_str,
+ground_truth, extra_info)`; TRL's and verl's may be `async def`. The defaults:
 `count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
 `gsm8k_flexible` (the last number anywhere).
 
@@ -156,14 +156,16 @@ def load(spec: str) -> Callable:
 
 def kind(fn: Callable) -> str:
     """Which way a reward function is called, decided once from its parameters' names: verl's
-    compute_score (`solution_str`), TRL's batched form (`completions`), or minirl's, by position (as
-    verl calls its own scorers of a data source, which name the completion otherwise: geo3k.py's
-    `predict_str`, math_verify.py's `model_output`)."""
+    compute_score (`solution_str`), TRL's batched form (any of the names TRL passes every function:
+    `completions`, `completion_ids`, `prompts`; TRL's length rewards read only `completion_ids`), or
+    minirl's, by position (as verl calls its own scorers of a data source, which name the completion
+    otherwise: geo3k.py's `predict_str`, math_verify.py's `model_output`)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: called as minirl's
         return "minirl"
-    return "verl" if "solution_str" in params else "trl" if "completions" in params else "minirl"
+    trl = any(name in params for name in ("completions", "completion_ids", "prompts"))
+    return "verl" if "solution_str" in params else "trl" if trl else "minirl"
 
 
 class Scorer:

@@ -216,6 +216,21 @@ def trl_curriculum(completions, trainer_state, **kwargs):
     return [trainer_state.global_step + trainer_state.max_steps / 100] * len(completions)
 
 
+class Overlong:
+    """TRL's length rewards as its factories build them (get_soft_overlong_punishment): an object called with
+    `completion_ids` alone by name; called as minirl's f(completion, answer), it was refused."""
+
+    def __call__(self, completion_ids, **kwargs):
+        return [-float(len(ids) > 2) for ids in completion_ids]
+
+
+overlong = Overlong()
+
+
+def trl_prompt_lengths(prompts, **kwargs):
+    return [float(len(p)) for p in prompts]
+
+
 def exits(completion, answer):
     raise SystemExit(0)
 
@@ -278,6 +293,13 @@ def test_a_trl_function_gets_the_trainer_state_at_the_step_its_batch_was_sampled
     task = make_task(TaskConfig(reward=["userpkg.scores:trl_curriculum"]), seed=0, steps=40)
     assert task.scorer(["1"], ["1"], [False], [{}], [[1]], step=7)[1] == [[7.4]]
     assert task.scorer(["1"], ["1"], [False])[1] == [[0.4]]  # the check before the first step: step 0
+
+
+def test_a_trl_function_that_names_only_completion_ids_or_prompts_is_called_as_trl_calls_it(forms):
+    s = Scorer(["userpkg.scores:overlong", "userpkg.scores:trl_prompt_lengths"], [])
+    assert s.kinds == ["trl", "trl"]
+    total, parts = s(["a", "abc"], ["", ""], [False, False], [{"prompt": "q"}, {"prompt": "qq"}], [[1, 2], [1, 2, 3]])
+    assert parts == [[-0.0, -1.0], [1.0, 2.0]] and total == [1.0, 1.0]
 
 
 def test_an_async_reward_function_is_run_to_its_result(forms):
