@@ -218,11 +218,6 @@ class Layout:
         return Layout(len(lanes), capacity, long(positions).view(len(lanes), capacity), long(packed), long(padded),
                       long(src), long(dst), (len(lengths), T))
 
-    @property
-    def computed(self) -> int:
-        """Tokens the forward computes (real plus the lanes' tail pad)."""
-        return self.lanes * self.capacity
-
     def to(self, device: torch.device) -> "Layout":
         """On CUDA through pinned memory, non-blocking: a pageable copy waits for the card's queue to drain."""
         move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (  # noqa: E731

@@ -36,7 +36,7 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], tol=1e-6) -> float:
 
 def test_layout_packs_rows_end_to_end_with_restarting_positions():
     lay = Layout.of(LENGTHS, 41)
-    assert lay.capacity == 41 and lay.lanes == 4 and lay.computed == 164          # vs 328 padded
+    assert lay.capacity == 41 and lay.lanes == 4 and lay.lanes * lay.capacity == 164  # vs 328 padded
     assert sorted(len(r) for r in batch.lanes_of(LENGTHS, 41)) == [1, 1, 3, 3]
     ids, mask, _ = skewed_batch()
     packed = lay.pack(ids)
@@ -48,7 +48,7 @@ def test_layout_packs_rows_end_to_end_with_restarting_positions():
     shifted = torch.nn.functional.pad(ids[:, :-1], (1, 0)).float() * (mask > 0)
     assert torch.equal(back, shifted)
     one = Layout.of(LENGTHS, 41, one_lane=True)
-    assert (one.lanes, one.capacity, one.computed) == (1, 137, 137)
+    assert (one.lanes, one.capacity) == (1, 137)
 
 
 @pytest.mark.parametrize("fsdp", [False, True])
@@ -61,7 +61,8 @@ def test_packed_logprobs_and_gradients_equal_the_padded_path(tiny_path, world, f
     w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) * mask
     a, ent_a = models.token_logprobs(padded, ids, entropy=True)
     b, ent_b = models.token_logprobs(packed, ids, entropy=True, lengths=lengths)
-    assert models.layout(packed, ids, lengths).computed == 164  # it did pack
+    lay = models.layout(packed, ids, lengths)
+    assert lay.lanes * lay.capacity == 164  # it did pack
     close([a * mask, ent_a * mask], [b * mask, ent_b * mask])
     assert b[mask == 0].abs().max() == 0 and b.shape == a.shape
     (a * w).sum().backward()
@@ -124,7 +125,7 @@ def test_the_critic_packs_in_one_lane_where_its_backbone_runs_flash_attention(ti
         backbone.config._attn_implementation = "flash_attention_2"  # the setting only: no kernel runs here
     for model in (policy, value):
         lay = models.layout(model, ids, lengths)
-        assert (lay.lanes, lay.computed) == (1, 22) and models.computed_tokens(model, ids, lengths) == 22
+        assert (lay.lanes, lay.capacity) == (1, 22) and models.computed_tokens(model, ids, lengths) == 22
     assert models.packing_error(value) is None  # packed, on the promise of one lane
 
 
@@ -134,7 +135,8 @@ def test_equal_lengths_run_padded(tiny_path):
     assert models.layout(model, ids, torch.tensor([9, 2, 2, 9])) is None  # a model never checked for packing pads
     model.pack_rows = True
     assert models.layout(model, ids, torch.tensor([9, 9, 9, 9])) is None  # nothing to save
-    assert models.layout(model, ids, torch.tensor([9, 2, 2, 9])).computed == 27
+    lay = models.layout(model, ids, torch.tensor([9, 2, 2, 9]))
+    assert lay.lanes * lay.capacity == 27
 
 
 def test_packed_token_budget_counts_computed_tokens():
