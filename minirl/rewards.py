@@ -364,6 +364,9 @@ def _reward(value, nan_is_none: bool = False) -> float:
     stays NaN (TRL turns a None into NaN and adds neither, so a TRL function's NaN is its None)."""
     if isinstance(value, dict) and "score" in value:
         value = value["score"]
+    if callable(value):  # TRL's get_soft_overlong_punishment(...) and its other factories make the function
+        raise TypeError(f"returned a function ({_shown(value)}): name a function it makes, e.g. "
+                        "`overlong = get_soft_overlong_punishment(...)` in a file of your own, as file.py:overlong")
     if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):  # a bool is a number: 1 or 0
         raise TypeError(f"returned {_shown(value)}, not a number")
     if not math.isfinite(float(value)) and not (nan_is_none and math.isnan(float(value))):

@@ -231,6 +231,11 @@ def trl_prompt_lengths(prompts, **kwargs):
     return [float(len(p)) for p in prompts]
 
 
+def makes_one(max_completion_len, soft_punish_cache):
+    """A factory, as TRL's get_soft_overlong_punishment: named itself, it returned a function, "not a number"."""
+    return Overlong()
+
+
 def exits(completion, answer):
     raise SystemExit(0)
 
@@ -322,6 +327,7 @@ def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read(forms)
 @pytest.mark.parametrize("name, says", [
     ("wrong_arity", "TypeError"), ("says_yes", "returned str 'yes', not a number"),
     ("nan", "not a finite number"), ("exits", "SystemExit"),
+    ("makes_one", "'): name a function it makes, e.g. `overlong = get_soft_overlong_punishment(...)` in a file"),
 ])
 def test_a_reward_that_cannot_be_called_so_is_refused_before_any_model_naming_it(forms, name, says):
     s = Scorer([f"userpkg.scores:{name}"], [])
