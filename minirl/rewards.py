@@ -114,6 +114,7 @@ class _Late(BaseException):
 
 
 WARN_S = 60.0  # a reward function that has not returned for this long gets a line naming it
+GRACE_S = 10.0  # how long one may go on catching the timeout's stops before the process exits
 LATE = signal.SIGRTMIN  # what ends one at --task.reward-timeout: a signal no library or scheduler sends
 
 
@@ -262,7 +263,8 @@ class Scorer:
     def _watched(self, i: int, on: list[str]):
         """While function `i` runs, a thread keeps the time: a line after WARN_S (or half the timeout), then
         `_Late` at the timeout, raised in the function by a signal of minirl's own (LATE), which also breaks a
-        blocking sleep or read. Not SIGALRM: reward libraries set and cancel that alarm themselves (math_verify's
+        blocking sleep or read (again until it returns; one that catches them all for GRACE_S more ends the
+        process, exit 2). Not SIGALRM: reward libraries set and cancel that alarm themselves (math_verify's
         parse timeout, under TRL's accuracy_reward, ends with alarm(0)). Python handles signals in the main
         thread only."""
         if threading.current_thread() is not threading.main_thread():
@@ -275,7 +277,13 @@ class Scorer:
             while not done.wait(wait):
                 waited = time.monotonic() - started
                 if self.timeout and waited >= self.timeout * 0.999:
+                    until = time.monotonic() + GRACE_S
                     while not done.is_set():  # again until it ends: a function may catch one BaseException
+                        if time.monotonic() > until:  # it catches every one: the run can neither go on nor hang
+                            error = RewardTimeout(self.specs[i], on[0], f"no return within --task.reward-timeout="
+                                                  f"{self.timeout:g} s, nor in {GRACE_S:g} s of stops it caught")
+                            print(f"minirl: error: {error}; the process exits", file=sys.stderr, flush=True)
+                            os._exit(error.code)
                         signal.pthread_kill(main, LATE)
                         done.wait(0.1)
                     return

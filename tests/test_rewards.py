@@ -4,6 +4,7 @@ import json
 import math
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -496,6 +497,24 @@ def test_the_timeout_holds_for_a_reward_that_cancels_an_alarm_of_its_own_or_catc
     with pytest.raises(rewards.RewardTimeout):
         s(["3"], ["3"], [False])
     assert time.monotonic() - t0 < 5  # the stop came again
+
+
+def test_a_reward_that_catches_every_stop_of_the_timeout_ends_the_process_naming_it(tmp_path):
+    """A judge whose retry loop catches BaseException catches each stop the timeout sends: the run hung
+    for ever under --task.reward-timeout. After GRACE_S more of stops the process exits 2 with the line."""
+    (tmp_path / "deaf_rw.py").write_text(
+        "import time\n"
+        "def deaf(completion, answer):\n    while True:\n        try:\n            time.sleep(20)\n"
+        "        except BaseException:\n            pass\n")
+    code = ("import sys; from minirl import rewards; rewards.GRACE_S = 1.0\n"
+            f"s = rewards.Scorer([{str(tmp_path / 'deaf_rw.py')!r} + ':deaf'], [], timeout=1.0)\n"
+            "s(['3'], ['3'], [False])\nprint('SCORED')\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "SCORED" not in done.stdout, done.stderr[-2000:]
+    assert re.search(r"minirl: error: --task.reward .*deaf_rw.py:deaf failed on the completion '3': no return within "
+                     r"--task.reward-timeout=1 s, nor in 1 s of stops it caught; the process exits", done.stderr)
+    assert time.monotonic() - t0 < 30  # the timeout and the grace, and the interpreter's start
 
 
 def test_each_form_gets_the_keywords_it_takes_and_numbers_of_any_kind_count(tmp_path, monkeypatch):
