@@ -161,7 +161,7 @@ def _records(path: str, flag: str):
             yield f"{flag}: {path}: row {n}", r
         return
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, as Windows editors write, is dropped
             lines = f.readlines()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}): a JSONL file is UTF-8 "
@@ -314,10 +314,11 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
                          needs_answer=any(kind != "trl" for kind in scorer.kinds),
                          template_kwargs=cfg.template_kwargs(), prompt_key=cfg.prompt_key)
     if evaluates and not task.eval_set:
-        why = ("--task.eval-prompts is 0" if not cfg.eval_prompts else
-               f"--task.path={cfg.path!r} has too few prompts to hold one in five out" if cfg.name == "jsonl" else "")
-        raise ConfigError(f"no held-out prompts to score ({why}): give --task.eval-path or raise --task.eval-prompts "
-                          "(a training run can also turn evaluation off: --log.eval-every 0)")
+        why = ("--task.eval-prompts is 0: raise it" if not cfg.eval_prompts else  # only a file can be too short
+               f"--task.eval-path={cfg.eval_path!r} holds no prompt" if cfg.eval_path else
+               f"--task.path={cfg.path!r} has too few prompts to hold one in five out: give --task.eval-path")
+        raise ConfigError(f"no held-out prompts to score ({why}; a training run can also turn evaluation off: "
+                          "--log.eval-every 0)")
     task.scorer = scorer
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     main = int(os.environ.get("RANK", 0)) == 0  # the lines below are said once, by the first rank

@@ -148,6 +148,20 @@ def test_a_run_that_evaluates_needs_held_out_prompts(tmp_path):
     with pytest.raises(ConfigError, match=says):
         make_task(cfg, 0, evaluates=True)
     assert make_task(cfg, 0).eval_set == [] and len(make_task(cfg, 0).rows) == 4
+    (tmp_path / "empty.jsonl").write_text("\n")  # a held-out file without a row: that file is named
+    with pytest.raises(ConfigError, match=r"--task\.eval-path=.*empty\.jsonl' holds no prompt; .*--log\.eval-every 0"):
+        make_task(TaskConfig(name="jsonl", path=str(f), eval_path=str(tmp_path / "empty.jsonl")), 0, evaluates=True)
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows editors and spreadsheet exports begin UTF-8 text with a byte-order mark; its first line
+    was refused as not JSON ("Unexpected UTF-8 BOM"). A JSON array of rows too."""
+    rows = [{"prompt": f"{'a' * n}#a=", "answer": str(n)} for n in range(1, 11)]
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    for name in ("bom.jsonl", "bom.json"):
+        task = JsonlTask(str(tmp_path / name), seed=0, eval_prompts=0)
+        assert sorted(p.prompt for p in task.rows) == sorted(r["prompt"] for r in rows)
 
 
 def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch, capfd):
