@@ -35,7 +35,7 @@ def _read(path: str) -> dict:
     if os.path.getsize(path) > MAX_CONFIG_BYTES:
         raise ConfigError(f"--config={path!r} is over {MAX_CONFIG_BYTES >> 10} KiB; a config file holds flags")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is dropped
             text = f.read()
     except UnicodeDecodeError as e:
         raise ConfigError(f"--config={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e

@@ -504,6 +504,14 @@ def test_a_config_file_must_be_utf8_text_holding_a_mapping(tmp_path, name, data,
         launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "")
 
 
+def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """A JSON file that begins with a UTF-8 byte-order mark (Windows editors write one) was refused:
+    "Unexpected UTF-8 BOM"; YAML read it already."""
+    for name in ("bom.json", "bom.yaml"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + (b'{"steps": 7}' if name.endswith("json") else b"steps: 7\n"))
+        assert launch.parse(GRPOArgs, ["--config", str(tmp_path / name)], "").steps == 7
+
+
 @pytest.mark.parametrize("error, code, line", [
     (None, 0, None),
     (ConfigError("--rl.lr=-1 must be > 0"), 2, "minirl.grpo: error: --rl.lr=-1 must be > 0"),
