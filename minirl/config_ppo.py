@@ -110,10 +110,11 @@ class PPOFlags:
             dp = world_size
         else:
             if not 0 < self.grid.rollout_ranks < world_size:
-                raise ConfigError(f"disaggregated PPO needs separate generation ranks: --grid.rollout-ranks in "
-                                  f"[1, {world_size - 1}] (this launch has {world_size} rank(s); start it with "
-                                  "torchrun --nproc-per-node 2 or more, or use --grid.gpu-placement colocated with "
-                                  "full batch)")
+                fits = f"--grid.rollout-ranks in [1, {world_size - 1}]" if world_size > 1 else "two ranks or more"
+                raise ConfigError(f"disaggregated PPO needs separate generation ranks: {fits} (this launch has "
+                                  f"{world_size} rank(s); start it with torchrun --nproc-per-node 2 or more, or use "
+                                  "--grid.gpu-placement colocated with full batch: --async-rl.min-groups-for-"
+                                  f"streaming-train={p.num_prompts_per_step})")
             dp = world_size - self.grid.rollout_ranks
         if p.num_prompts_per_step % dp:
             raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "

@@ -287,6 +287,11 @@ def test_a_refused_size_suggests_one_that_runs():
     p.ppo.num_prompts_per_step = 6
     with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 3] (this launch has 4 rank(s)")):
         _set(p, "grid.rollout_ranks", 4).validate(4)
+    with pytest.raises(ConfigError, match=re.escape("ranks: two ranks or more (this launch has 1 rank(s); start it "
+                                                    "with torchrun --nproc-per-node 2 or more, or use --grid.gpu-placement "
+                                                    "colocated with full batch: --async-rl.min-groups-for-streaming-"
+                                                    "train=6)")):  # not "in [1, 0]", nor full batch without its flag
+        _set(p, "grid.rollout_ranks", 1).validate(1)
     with pytest.raises(ConfigError, match=re.escape("=6 must split evenly over 4 train rank(s); use a multiple of 4")):
         _set(p, "grid.rollout_ranks", 2).validate(6)
 
