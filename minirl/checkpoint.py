@@ -227,7 +227,7 @@ def commit(ckpt_dir: str, steps_done: int, keep: int) -> str:
 def _cause(e: BaseException, ckpt_dir: str, parts: dict) -> str:
     """What went wrong under a failed save: DCP wraps each rank's error, and torch's writer reports a full
     disk as "unexpected pos", so too little room for this rank's shard is named as such."""
-    seen = [x[0] if isinstance(x, tuple) else x for x in getattr(e, "failures", {}).values()] + [e]
+    seen = _errors(e)
     todo = list(seen)
     while todo:
         x = todo.pop(0)
@@ -240,8 +240,16 @@ def _cause(e: BaseException, ckpt_dir: str, parts: dict) -> str:
     if free < need:
         return (f"[Errno 28] No space left on device ({free / 2**20:.1f} MiB free under {ckpt_dir}, this rank's shard "
                 f"needs about {need / 2**20:.1f} MiB); free some space or point --checkpoint.dir elsewhere")
-    first = seen[0]
-    return f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[0][:200]}"
+    return _first_line(seen[0])
+
+
+def _errors(e: BaseException) -> list[BaseException]:
+    """Each rank's error that DCP's CheckpointException carries (with its traceback), then `e` itself."""
+    return [x[0] if isinstance(x, tuple) else x for x in getattr(e, "failures", {}).values()] + [e]
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # DCP's embed whole tracebacks
 
 
 def _moments(optimizer) -> list[torch.Tensor]:
@@ -261,16 +269,14 @@ def load(path: str, parts: dict) -> dict:
         torch.set_rng_state(load_file(os.path.join(path, f"rng_rank{rank}.safetensors"))["torch"])
     except CheckpointError:
         raise
-    except CheckpointException as e:  # a BaseException; it wraps each rank's error
-        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
-        if ours:
-            raise CheckpointError(str(ours[0])) from e
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"checkpoint {path} is unreadable ({first}); resume from an earlier one") from e
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]  # DCP's message embeds whole tracebacks
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {first}); "
-                              "resume from an earlier one") from e
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it carries each rank's error
+        errors = _errors(e)
+        ours = [x for x in errors if isinstance(x, CheckpointError)]
+        why = _first_line(errors[0])
+        if isinstance(errors[0], pickle.UnpicklingError):  # torch's message is advice on calling torch.load
+            why = "a data file holds bytes that are not the tensors its metadata places there"
+        raise CheckpointError(str(ours[0]) if ours else f"checkpoint {path} is unreadable ({why}); resume from an "
+                              "earlier one") from e
     random.setstate(_tuple(state["python_rng"]))
     np.random.set_state(tuple(state["numpy_rng"][:1]) + (np.array(state["numpy_rng"][1], dtype=np.uint32),)
                         + tuple(state["numpy_rng"][2:]))

@@ -98,6 +98,27 @@ def test_an_unreadable_loop_state_or_metadata_and_a_parameter_it_lacks_are_refus
         checkpoint.check_shapes(path, models.on_meta(tiny_path, ("value",)))
 
 
+def test_a_checkpoint_whose_files_fail_to_read_is_refused_in_one_line_naming_it(tmp_path, world, tiny_path):
+    """What passes `check` (every file there, none short) and still fails to read: a shard's bytes that are
+    not the tensor DCP's metadata says, an RNG state that is not safetensors. Each is one CheckpointError
+    naming the folder and the error's first line: the rank's own under DCP's wrapper, whose first line said
+    only "CheckpointException ranks:dict_keys([0])"."""
+    path, parts = saved(tmp_path, world, tiny_path)
+    shard = next(n for n in os.listdir(path) if n.endswith(".distcp"))
+    for name, says in ((shard, r"\(a data file holds bytes that are not the tensors its metadata places there"), ("rng_rank0.safetensors", r"\(SafetensorError: ")):
+        good = open(os.path.join(path, name), "rb").read()
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"\xff" * len(good))  # the size the metadata asks, none of the content
+        checkpoint.check(path, "ppo", 1)
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.load(path, parts)
+        assert re.fullmatch(rf"checkpoint {re.escape(path)} is unreadable {says}[^\n]{{0,200}}\); resume from an "
+                            r"earlier one", str(e.value)), str(e.value)
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(good)
+    checkpoint.load(path, parts)  # whole again
+
+
 def test_a_crafted_optimizer_item_is_refused_and_its_payload_never_runs(tmp_path, world, tiny_path):
     """A non-tensor item (an optimizer hyperparameter) that unpickles by running a command: DCP's own
     reader would run it (torch.load with weights_only=False); minirl's refuses it first."""
