@@ -4,7 +4,7 @@
 so a run's own config.json reruns that run. A value its flag would refuse is an error naming it; so are
 the unknown keys, all at once (each key inside a group minirl lacks), with minirl's name for a TRL or verl
 one, and verl's Hydra overrides (key=value) given as arguments. A file never sets the run's own switches
-(run dir, overwrite, resume, checkpoint dir); aliases, deep nesting, a key given twice and files over
+(run dir, overwrite, resume, checkpoint dir; a line names those it holds); aliases, deep nesting, a key given twice and files over
 64 KiB are refused before anything is expanded.
 """
 
@@ -275,12 +275,32 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         hint = elsewhere(a, cls) if unknown else ""
         if hint:
             raise ConfigError(_not_flags([(a.split("=")[0], hint)], ""))
-    default = cls()
+    default, data = cls(), {}
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
-            default = fill(cls(), _read(path), "", lenient, skip={"config", *PER_RUN})
+            data = _read(path)
+            default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
             default.config = path
             break
-    return tyro.cli(cls, args=argv, default=default, description=description)
+    args = tyro.cli(cls, args=argv, default=default, description=description)
+    if not lenient and int(os.environ.get("RANK", 0)) == 0:  # a recipe's own run dir is not dropped without a word
+        for line in _not_taken(data, args, argv):
+            print(f"--config {args.config}: {line}", file=sys.stderr, flush=True)
+    return args
+
+
+def _not_taken(data: dict, args, argv: list[str]) -> list[str]:
+    """What to say of each run's own switch a config file sets to other than this run's, unless the command
+    line gives that flag: it is not taken, and the flag that would set it."""
+    given = {a.split("=")[0].replace("_", "-").replace(".no-", ".") for a in argv}
+    lines = []
+    for group, name in (key.split(".") for key in sorted(PER_RUN)):
+        section = {k.replace("-", "_"): v for k, v in data[group].items()} if isinstance(data.get(group), dict) else {}
+        flag = f"--{group}.{name.replace('_', '-')}"
+        if name in section and section[name] != getattr(getattr(args, group), name) and flag not in given:
+            value = "" if isinstance(section[name], bool) else f" {section[name]}"
+            lines.append(f"{group}.{name}={section[name]!r} is not taken from a file (a run's own switches come from "
+                         f"the command line only): give {flag}{value} to use it")
+    return lines

@@ -35,19 +35,32 @@ def test_a_config_file_sets_defaults_and_flags_beside_it_win(tmp_path):
         launch.parse(GRPOArgs, ["--rl.grad-accum", "4"], "")
 
 
-def test_a_config_file_never_carries_the_runs_own_switches(tmp_path):
+def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys):
     """Another run's config.json (run dir, overwrite, resume, checkpoint dir) reruns its recipe, never
-    into that run: the switches come only from the command line."""
+    into that run: the switches come only from the command line. Each one the file holds is named in a line
+    with the flag that would set it (a recipe's own run dir was dropped without a word), unless given."""
     f = tmp_path / "config.json"
     f.write_text(json.dumps({"steps": 801, "log": {"run_dir": "runs/demo", "overwrite": True, "every": 3},
                              "checkpoint": {"resume": "auto", "dir": "runs/demo/checkpoints", "every": 5}}))
+    capsys.readouterr()
     args = launch.parse(GRPOArgs, ["--config", str(f), "--steps", "2"], "")
     default = GRPOArgs()
     assert (args.steps, args.log.every, args.checkpoint.every) == (2, 3, 5)  # the recipe comes along
     assert (args.log.run_dir, args.log.overwrite, args.checkpoint.resume, args.checkpoint.dir) == (
         default.log.run_dir, False, "", "")
+    said = capsys.readouterr().err.splitlines()
+    assert said == [f"--config {f}: {key} is not taken from a file (a run's own switches come from the command line "
+                    f"only): give {flag} to use it" for key, flag in (
+                        ("checkpoint.dir='runs/demo/checkpoints'", "--checkpoint.dir runs/demo/checkpoints"),
+                        ("checkpoint.resume='auto'", "--checkpoint.resume auto"),
+                        ("log.overwrite=True", "--log.overwrite"), ("log.run_dir='runs/demo'", "--log.run-dir runs/demo"))]
     args = launch.parse(GRPOArgs, ["--config", str(f), "--log.run-dir", "x", "--log.overwrite"], "")
     assert (args.log.run_dir, args.log.overwrite) == ("x", True)  # given on the command line, they count
+    assert [line.split(": ")[1].split("=")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "checkpoint.dir", "checkpoint.resume"]  # and those given are not named
+    launch.parse(GRPOArgs, ["--config", str(f), "--log.run-dir", "x", "--log.no-overwrite", "--checkpoint.resume",
+                            "auto", "--checkpoint.dir", "d"], "")
+    assert capsys.readouterr().err == ""
 
 
 def test_a_config_file_never_carries_the_runs_own_switches_in_the_flags_own_spelling_either(tmp_path):
