@@ -695,7 +695,7 @@ def test_export_never_writes_over_the_root_the_working_directory_or_the_run(tmp_
         check_out(out, str(ckpt), overwrite=True)
 
 
-def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path):
+def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path, capsys):
     """`minirl-eval --checkpoint <run>/checkpoints/step_N` (or `--checkpoint=`) takes the run's config.json
     as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
     explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more.
@@ -707,12 +707,14 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
     ckpt.mkdir(parents=True)
     config = GRPOArgs(seed=7, steps=40).to_dict()
     config["rollout"]["max_tokens"], config["model"]["path"] = 12, str(tmp_path / "model")
+    config["log"]["run_dir"], config["checkpoint"]["resume"] = str(run_dir), "auto"  # a run's own: skipped, unsaid
     (run_dir / "config.json").write_text(json.dumps(config))
     for argv in (["--checkpoint", str(ckpt)], [f"--checkpoint={ckpt}"]):
         assert _with_run_config(argv) == ["--config", str(run_dir / "config.json"), *argv]
         args = launch.parse(EvalArgs, _with_run_config([*argv, "--seed", "3"]), "", lenient=True)
         assert (args.seed, args.rollout.max_tokens, args.model.path, args.checkpoint, args.steps) == (
             3, 12, str(tmp_path / "model"), str(ckpt), 40)  # --steps: a TRL function's trainer_state
+    assert "not taken" not in capsys.readouterr().err
     for export in (run_dir / "final", tmp_path / "exported"):
         export.mkdir()
         (export / "minirl_config.json").write_text(json.dumps(config))
