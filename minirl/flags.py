@@ -297,7 +297,8 @@ def _not_taken(data: dict, args, argv: list[str]) -> list[str]:
     given = {a.split("=")[0].replace("_", "-").replace(".no-", ".") for a in argv}
     lines = []
     for group, name in (key.split(".") for key in sorted(PER_RUN)):
-        section = {k.replace("-", "_"): v for k, v in data[group].items()} if isinstance(data.get(group), dict) else {}
+        section = data.get(group) if isinstance(data.get(group), dict) else {}
+        section = {k.replace("-", "_"): v for k, v in section.items()}  # either spelling
         flag = f"--{group}.{name.replace('_', '-')}"
         if name in section and section[name] != getattr(getattr(args, group), name) and flag not in given:
             value = "" if isinstance(section[name], bool) else f" {section[name]}"
