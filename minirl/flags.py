@@ -276,6 +276,8 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         if hint:
             raise ConfigError(_not_flags([(a.split("=")[0], hint)], ""))
     default, data = cls(), {}
+    if sum(a == "--config" or a.startswith("--config=") for a in argv) > 1:  # the first was read, the last recorded
+        raise ConfigError("--config is given more than once; give one file (flags beside it override its values)")
     for i, a in enumerate(argv):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")

@@ -458,6 +458,10 @@ def test_config_may_be_the_last_flag_and_a_key_given_once_is_taken(tmp_path):
     assert launch.parse(GRPOArgs, [f"--config={f}"], "").seed == 4
     with pytest.raises(ConfigError, match=r"--config='' is not a file"):  # a path forgotten: said, not an IndexError
         launch.parse(GRPOArgs, ["--config"], "")
+    (tmp_path / "other.yaml").write_text("steps: 9\n")  # two files: the first was read and the last recorded
+    for argv in (["--config", str(f), "--config", str(tmp_path / "other.yaml")], [f"--config={f}", "--config=x"]):
+        with pytest.raises(ConfigError, match=r"^--config is given more than once; give one file"):
+            launch.parse(GRPOArgs, argv, "")
 
 
 def test_minirls_own_flags_and_values_spelled_like_trls_names_are_taken():
