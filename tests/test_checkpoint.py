@@ -105,7 +105,8 @@ def test_a_checkpoint_whose_files_fail_to_read_is_refused_in_one_line_naming_it(
     only "CheckpointException ranks:dict_keys([0])"."""
     path, parts = saved(tmp_path, world, tiny_path)
     shard = next(n for n in os.listdir(path) if n.endswith(".distcp"))
-    for name, says in ((shard, r"\(a data file holds bytes that are not the tensors its metadata places there"), ("rng_rank0.safetensors", r"\(SafetensorError: ")):
+    for name, says in ((shard, r"\(a data file holds bytes that are not the tensors its metadata places there"),
+                       ("rng_rank0.safetensors", r"\(SafetensorError: ")):
         good = open(os.path.join(path, name), "rb").read()
         with open(os.path.join(path, name), "wb") as f:
             f.write(b"\xff" * len(good))  # the size the metadata asks, none of the content

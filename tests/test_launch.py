@@ -53,7 +53,8 @@ def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys):
                     f"only): give {flag} to use it" for key, flag in (
                         ("checkpoint.dir='runs/demo/checkpoints'", "--checkpoint.dir runs/demo/checkpoints"),
                         ("checkpoint.resume='auto'", "--checkpoint.resume auto"),
-                        ("log.overwrite=True", "--log.overwrite"), ("log.run_dir='runs/demo'", "--log.run-dir runs/demo"))]
+                        ("log.overwrite=True", "--log.overwrite"),
+                        ("log.run_dir='runs/demo'", "--log.run-dir runs/demo"))]
     args = launch.parse(GRPOArgs, ["--config", str(f), "--log.run-dir", "x", "--log.overwrite"], "")
     assert (args.log.run_dir, args.log.overwrite) == ("x", True)  # given on the command line, they count
     assert [line.split(": ")[1].split("=")[0] for line in capsys.readouterr().err.splitlines()] == [
