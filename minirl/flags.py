@@ -4,8 +4,8 @@
 so a run's own config.json reruns that run. A value its flag would refuse is an error naming it; so are
 the unknown keys, all at once (each key inside a group minirl lacks), with minirl's name for a TRL or verl
 one, and verl's Hydra overrides (key=value) given as arguments. A file never sets the run's own switches
-(run dir, overwrite, resume, checkpoint dir; a line names those it holds); aliases, deep nesting, a key given twice and files over
-64 KiB are refused before anything is expanded.
+(run dir, overwrite, resume, checkpoint dir; a line names those it holds); aliases, deep nesting, a key given
+twice and files over 64 KiB are refused before anything is expanded.
 """
 
 from __future__ import annotations
@@ -276,16 +276,15 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         if hint:
             raise ConfigError(_not_flags([(a.split("=")[0], hint)], ""))
     default, data = cls(), {}
-    if sum(a == "--config" or a.startswith("--config=") for a in argv) > 1:  # the first was read, the last recorded
+    at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if len(at) > 1:  # tyro would record the last, after the first was read
         raise ConfigError("--config is given more than once; give one file (flags beside it override its values)")
-    for i, a in enumerate(argv):
-        if a == "--config" or a.startswith("--config="):
-            path = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
-            data = _read(path)
-            default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
-            default.config = path
-            break
+    for i in at:
+        path = argv[i].split("=", 1)[1] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
+        # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
+        data = _read(path)
+        default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
+        default.config = path
     args = tyro.cli(cls, args=argv, default=default, description=description)
     if not lenient and int(os.environ.get("RANK", 0)) == 0:  # a recipe's own run dir is not dropped without a word
         for line in _not_taken(data, args, argv):
