@@ -5,7 +5,7 @@ so a run's own config.json reruns that run. A value its flag would refuse is an 
 the unknown keys, all at once (each key inside a group minirl lacks), with minirl's name for a TRL or verl
 one, and verl's Hydra overrides (key=value) given as arguments. A file never sets the run's own switches
 (run dir, overwrite, resume, checkpoint dir; a line names those it holds); aliases, deep nesting, a key given
-twice and files over 64 KiB are refused before anything is expanded.
+twice and files over 64 KiB are refused before anything is expanded. A leading `~` is the home folder.
 """
 
 from __future__ import annotations
@@ -281,15 +281,31 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         raise ConfigError("--config is given more than once; give one file (flags beside it override its values)")
     for i in at:
         path = argv[i].split("=", 1)[1] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
+        path = os.path.expanduser(path)  # `--config=~/r.yaml`: the shell leaves a ~ after = as it is
         # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
         data = _read(path)
         default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
         default.config = path
     args = tyro.cli(cls, args=argv, default=default, description=description)
+    _home(args)
     if not lenient and int(os.environ.get("RANK", 0)) == 0:  # a recipe's own run dir is not dropped without a word
         for line in _not_taken(data, args, argv):
             print(f"--config {args.config}: {line}", file=sys.stderr, flush=True)
     return args
+
+
+def _home(obj) -> None:
+    """A value that starts with ~ (`--log.run-dir=~/runs/x`, a config file's `path: ~/models/m`) is under the
+    home folder, as TRL's output_dir is: neither the shell (after `=`) nor a file expands it, and a folder
+    named `~` in the working directory is one `rm -rf ~` away from the home folder itself."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _home(value)
+        elif isinstance(value, str) and value.startswith("~"):
+            setattr(obj, f.name, os.path.expanduser(value))
+        elif isinstance(value, list):  # --task.reward ~/rewards.py:f
+            setattr(obj, f.name, [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
 
 
 def _not_taken(data: dict, args, argv: list[str]) -> list[str]:

@@ -64,6 +64,21 @@ def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_path_that_starts_with_a_tilde_is_under_the_home_folder(tmp_path, monkeypatch):
+    """`--log.run-dir=~/runs/x` (the shell leaves a ~ after `=`) and a config file's `~/...` are the home
+    folder's, as TRL's output_dir is; they made a folder named `~` in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "r.yaml").write_text("model:\n  path: ~/models/m\ntask:\n  eval_path: ~/test.jsonl\n")
+    args = launch.parse(GRPOArgs, ["--config=~/r.yaml", "--log.run-dir=~/runs/x", "--task.path=~/train.jsonl",
+                                   "--task.reward=~/rewards.py:f", "--checkpoint.dir", "~"], "")
+    home = str(tmp_path)
+    assert (args.config, args.model.path, args.task.eval_path, args.log.run_dir, args.task.path, args.task.reward,
+            args.checkpoint.dir) == (f"{home}/r.yaml", f"{home}/models/m", f"{home}/test.jsonl", f"{home}/runs/x",
+                                     f"{home}/train.jsonl", [f"{home}/rewards.py:f"], home)
+    args = launch.parse(GRPOArgs, ["--log.run-dir", "runs/a~b", "--log.wandb-project", "p~"], "")
+    assert (args.log.run_dir, args.log.wandb_project) == ("runs/a~b", "p~")  # only a leading ~ is the home
+
+
 def test_a_config_file_never_carries_the_runs_own_switches_in_the_flags_own_spelling_either(tmp_path):
     """A YAML written like the flags (`log: {run-dir: X}`, `checkpoint: {resume: auto}`) is read as the
     same flags: the run's own switches stay the command line's (they were taken from the dashed
