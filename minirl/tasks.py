@@ -358,8 +358,12 @@ def build_tiny(shape: TinyModelConfig) -> str:
     path = os.path.join(cache_dir(), f"tiny-{key}")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
+    except OSError as e:  # a read-only home (some clusters' compute nodes), a full disk
+        raise ConfigError(f"the built-in model is built once into {cache_dir()}, which cannot be written "
+                          f"({e.strerror}); set MINIRL_CACHE to a folder you can write") from e
     tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
                                   eos_token="<eos>", unk_token="<unk>")
     config = Qwen2Config(

@@ -186,6 +186,11 @@ def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypat
     assert written["tie_word_embeddings"] and written.get("rope_parameters", written)["rope_theta"] == 10000.0
     wider = TinyModelConfig(hidden_size=128, num_heads=1, intermediate_size=64, warm_start_steps=0)
     assert build_tiny(wider) != path  # a second shape beside the first, in the folder that exists now
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "file" / "cache"))  # as a read-only home's would be
+    with pytest.raises(ConfigError, match=r"built once into .*file/cache, which cannot be written \(Not a directory\); "
+                                          "set MINIRL_CACHE to a folder you can write"):
+        build_tiny(wider)
 
 
 def test_eval_accuracy_is_the_first_reward_functions_mean_whatever_the_others_and_weights(tiny_path, tmp_path,
