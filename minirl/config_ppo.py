@@ -111,9 +111,10 @@ class PPOFlags:
         else:
             if not 0 < self.grid.rollout_ranks < world_size:
                 fits = f"--grid.rollout-ranks in [1, {world_size - 1}]" if world_size > 1 else "two ranks or more"
+                least = max(self.grid.rollout_ranks, 1) + 1  # its rollout ranks and a train rank
                 raise ConfigError(f"disaggregated PPO needs separate generation ranks: {fits} (this launch has "
-                                  f"{world_size} rank(s); start it with torchrun --nproc-per-node 2 or more, or use "
-                                  "--grid.gpu-placement colocated with full batch: --async-rl.min-groups-for-"
+                                  f"{world_size} rank(s); start it with torchrun --nproc-per-node {least} or more, or "
+                                  "use --grid.gpu-placement colocated with full batch: --async-rl.min-groups-for-"
                                   f"streaming-train={p.num_prompts_per_step})")
             dp = world_size - self.grid.rollout_ranks
         if p.num_prompts_per_step % dp:

@@ -285,7 +285,8 @@ def test_a_refused_size_suggests_one_that_runs():
         args(batch_per_replica=24, group_size=8).validate(2)
     p = PPOArgs()
     p.ppo.num_prompts_per_step = 6
-    with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 3] (this launch has 4 rank(s)")):
+    with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 3] (this launch has 4 rank(s); start "
+                                                    "it with torchrun --nproc-per-node 5 or more")):  # 4 and a trainer
         _set(p, "grid.rollout_ranks", 4).validate(4)
     with pytest.raises(ConfigError, match=re.escape("ranks: two ranks or more (this launch has 1 rank(s); start it "
                                                     "with torchrun --nproc-per-node 2 or more, or use --grid.gpu-placement "
