@@ -109,6 +109,25 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
         make_task(cfg, 0, load_tokenizer(tiny_path), 32)
     with pytest.raises(ConfigError, match=r"--rollout\.max-prompt-tokens=8: the built-in task's prompts take up to 12"):
         make_task(TaskConfig(), 0, load_tokenizer(tiny_path), 8)
+    rows = [{"prompt": format(i, "012b").translate({48: "a", 49: "b"}) + "#a=", "answer": "1"} for i in range(2500)]
+    for line in (1500, 2100):  # the prompts are tokenized 1,024 to a call: the first too long is named
+        rows[line - 1]["prompt"] = "ab" * 20 + "#a="
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"--task\.path: {f}:1500: the prompt has more than"):
+        make_task(TaskConfig(name="jsonl", path=str(f)), 0, load_tokenizer(tiny_path), 32)
+    rows[1499]["prompt"] = rows[2099]["prompt"] = "a" * 29 + "#a="  # 32 tokens: the budget holds it
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok, calls = load_tokenizer(tiny_path), []
+
+    class Counted:  # the tokenizer, counting its calls: one a row took 0.3 ms each in transformers alone
+        def __call__(self, text, **kwargs):
+            calls.append(len(text))
+            return tok(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+    assert len(make_task(TaskConfig(name="jsonl", path=str(f)), 0, Counted(), 32).rows) > 2000
+    assert calls == [1024, 1024, 452]
 
 
 def test_a_prompt_given_twice_is_never_both_trained_on_and_held_out(tmp_path, capsys):
@@ -358,7 +377,8 @@ class _Engine:
 class _Tok:
     def __call__(self, text, add_special_tokens):
         assert not add_special_tokens  # the engine gets the prompt's own tokens, as the trainer does
-        return type("Enc", (), {"input_ids": [ord(ch) for ch in text]})()
+        ids = [[ord(ch) for ch in t] for t in text] if isinstance(text, list) else [ord(ch) for ch in text]
+        return type("Enc", (), {"input_ids": ids})()  # a list of texts gives a list of rows, as transformers does
 
     def batch_decode(self, rows, skip_special_tokens):
         assert skip_special_tokens  # a reward never sees <eos> or pads
