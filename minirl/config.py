@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
@@ -104,10 +105,11 @@ class TaskConfig:
     name: Literal["count", "jsonl"] = "count"
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
-    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a JSON array or .parquet file of such
-    rows (for --task.name jsonl); a quoted pattern reads every file it matches, in name order (a hub dataset's
-    shards: 'gsm8k/main/train-*.parquet'). A prompt is text or chat messages [{"role": ..., "content": ...}]
-    (rendered by the model's chat template); the answer is a string or a number."""
+    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a JSON array, .parquet or .arrow file of
+    such rows (for --task.name jsonl; .arrow: the datasets library's save_to_disk); a quoted pattern reads every
+    file it matches, in name order (a hub dataset's shards: 'gsm8k/main/train-*.parquet'). A prompt is text or
+    chat messages [{"role": ..., "content": ...}] (rendered by the model's chat template); the answer is a string
+    or a number."""
     prompt_key: str = "prompt"
     """The column holding the prompt, text or chat messages (verl's data.prompt_key; raw GSM8K's is question)."""
     answer_key: str = ""
@@ -149,12 +151,13 @@ class TaskConfig:
             if (needed or path) and not data_files(path):
                 # a downloaded dataset's folder: name one of its data files, of the flag's split first
                 inside = sorted((p for p in glob.glob(os.path.join(path, "**"), recursive=True)
-                                 if p.endswith((".parquet", ".jsonl"))), key=lambda p: (split not in p, p))
+                                 if p.endswith((".parquet", ".jsonl", ".arrow"))), key=lambda p: (split not in p, p))
                 what = "not a file, nor a pattern that matches one"
-                if inside:
-                    shards = os.path.join(os.path.dirname(inside[0]), split + "-*" + os.path.splitext(inside[0])[1])
+                if inside:  # the hub's train-00000-of-00002.parquet, save_to_disk's train/data-00000-of-00001.arrow
+                    shards = os.path.join(os.path.dirname(inside[0]), re.sub(r"-\d+-of-\d+", "-*",
+                                                                             os.path.basename(inside[0])))
                     what = f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern ({shards!r})"
-                raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL or Parquet file"
+                raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL, Parquet or Arrow file"
                                   + (" or use --task.name count" if needed else " or leave it empty"))
         self.template_kwargs()
 

@@ -2,7 +2,7 @@
 
 - `CountTask` (built in): "how many a's?" e.g. `abbab#a=` -> `2`; problems are a pure function of
   (seed, index), and a string is held out iff its hash says so, so eval accuracy is honest.
-- `JsonlTask`: JSONL or Parquet rows as TRL and verl users have them, from a file or from every file a
+- `JsonlTask`: JSONL, Parquet or Arrow rows as TRL and verl users have them, from a file or from every file a
   pattern matches in name order (a hub dataset's shards); text or chat prompts under `prompt` or a named
   key, the answer under `answer`, `solution` or a named key, GSM8K's `#### 42` cut to the number.
 - `make_task` gives every task its `scorer` (rewards.py); `held_out` scores greedy completions with it.
@@ -153,16 +153,27 @@ class JsonlTask:
 
 def _records(path: str, flag: str):
     """(where, row) for each row of a JSONL file, of a JSON array of rows (a `.json` file as `datasets` reads
-    it), or of a Parquet file (by its name or its magic bytes)."""
+    it), of a Parquet file (by its name or its magic bytes), or of an Arrow file as `datasets` writes them
+    (`save_to_disk`'s `data-00000-of-00001.arrow`, its cache's files: Arrow's stream format)."""
     with open(path, "rb") as f:
         parquet = path.endswith(".parquet") or f.read(4) == b"PAR1"
-    if parquet:
+    kind = "Parquet" if parquet else "Arrow" if path.endswith(".arrow") else ""
+    if kind:
         try:
+            import pyarrow.ipc
             import pyarrow.parquet
         except ImportError:
-            raise ConfigError(f"{flag}={path!r} is a Parquet file, which needs pyarrow: "
-                              "pip install -e '.[parquet]'") from None
-        for n, r in enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1):
+            raise ConfigError(f"{flag}={path!r} is {'an' if kind == 'Arrow' else 'a'} {kind} file, which needs "
+                              "pyarrow: pip install -e '.[parquet]'") from None
+        try:
+            if kind == "Parquet":
+                table = pyarrow.parquet.read_table(path)
+            else:
+                with pyarrow.memory_map(path) as source:
+                    table = pyarrow.ipc.open_stream(source).read_all()
+        except pyarrow.ArrowException as e:  # cut short (a download that stopped), or another format
+            raise ConfigError(f"{flag}={path!r}: not a readable {kind} file ({str(e).splitlines()[0]})") from e
+        for n, r in enumerate(table.to_pylist(), 1):
             yield f"{flag}: {path}: row {n}", r
         return
     try:

@@ -1,6 +1,7 @@
 """tasks.py: deterministic prompt ids and partition (B14), held-out data, the task's scorer."""
 
 import json
+import os
 import re
 
 import pytest
@@ -337,6 +338,31 @@ def test_a_pattern_reads_a_hub_datasets_shards_in_name_order_and_a_folder_is_tol
     with pytest.raises(ConfigError, match=re.escape(f"({str(data / 'test-00000-of-00001.parquet')!r}) or its shards "
                                                     f"by a quoted pattern ({str(data / 'test-*.parquet')!r})")):
         TaskConfig(name="jsonl", path=cfg.path, eval_path=str(tmp_path / "hub")).check()
+
+
+def test_a_datasets_save_to_disk_folder_is_named_and_its_arrow_files_read_as_their_rows(tmp_path):
+    """What the datasets library's `save_to_disk` writes (tests/data/save_to_disk, by datasets 5.2.0: a train
+    and a test split of chat prompts) is Arrow files: the folder is told which file and pattern to give, and the
+    files read as their rows. An Arrow or Parquet file cut short is one line naming it, not pyarrow's traceback."""
+    pytest.importorskip("pyarrow")
+    saved = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "save_to_disk")
+    with pytest.raises(ConfigError, match=re.escape(f"is a folder: name a file in it ('{saved}/train/data-00000-of-"
+                                                    f"00001.arrow') or its shards by a quoted pattern ('{saved}/train/"
+                                                    "data-*.arrow'); give a JSONL, Parquet or Arrow file")):
+        TaskConfig(name="jsonl", path=saved).check()
+    cfg = TaskConfig(name="jsonl", path=f"{saved}/train/data-*.arrow", eval_path=f"{saved}/test/data-*.arrow")
+    cfg.check()
+    task = JsonlTask(cfg.path, 0, 2, cfg.eval_path, tok=_ChatTok())
+    assert sorted(p.answer for p in task.rows) == ["1", "2", "3", "4"]
+    assert [p.answer for p in task.eval_set] == ["5", "6"]
+    assert task.eval_set[0].prompt == "<user>How many a's in ababababab?<assistant>"
+    with open(f"{saved}/train/data-00000-of-00001.arrow", "rb") as f:
+        cut = f.read()[:600]
+    for name, data in (("data-00000-of-00001.arrow", cut), ("rows.parquet", b"PAR1 and no more")):
+        (tmp_path / name).write_bytes(data)
+        kind = "Arrow" if name.endswith(".arrow") else "Parquet"
+        with pytest.raises(ConfigError, match=rf"--task\.path='{tmp_path}/{name}': not a readable {kind} file \(.+\)"):
+            JsonlTask(str(tmp_path / name), 0, 0)
 
 
 class _ChatTok:
