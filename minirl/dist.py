@@ -367,17 +367,18 @@ def quietly(fn) -> None:
 
 
 def sigterm_flag():
-    """SIGTERM or a first Ctrl-C asks for an emergency save at the next step boundary; a second signal
-    stops at once (a step that never ends cannot hold the run). Returns a check every rank calls at the
-    same point, agreed by a max all-reduce; its `name` says which signal came, its `answer` what a Ctrl-C
-    is told."""
-    got, console = [], os.dup(2)  # the console, also while the engine's build sends fd 2 to its log
+    """SIGTERM or a first Ctrl-C asks for an emergency save at the next step boundary once the steps have
+    begun (`armed`); before that (the build, a resume's load) there is nothing to save, and a signal stops
+    at once, as a second one always does (a step that never ends cannot hold the run). Returns a check every
+    rank calls at the same point, agreed by a max all-reduce; its `name` says which signal came, its `answer`
+    what a Ctrl-C is told."""
+    got = []
 
     def on_signal(signum, _frame):
-        if got:  # the second signal: the user or the scheduler does not want to wait for the save
+        if got or not check.armed:  # the user or the scheduler does not wait for a save, or there is none yet
             raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
         if signum == signal.SIGINT:
-            os.write(console, check.answer)
+            os.write(2, check.answer)
         got.append("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -386,6 +387,6 @@ def sigterm_flag():
     def check() -> bool:
         check.name = got[0] if got else "SIGTERM"
         return bool(all_reduce(torch.tensor([float(bool(got))]), "max").item())
-    check.name = "SIGTERM"
+    check.name, check.armed = "SIGTERM", False
     check.answer = b"Ctrl-C: saving a checkpoint at the end of this step, then exiting (Ctrl-C again to stop now)\n"
     return check

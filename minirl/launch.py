@@ -9,7 +9,8 @@
   holding another run's checkpoints is refused and a resume by path starts a new line.
 - `run(name, main, argv)`: every command goes through it: exit 0; 2 with one line for a bad flag,
   file or checkpoint, or a reward past its timeout; 1 for a failed reward function; 3 for a run that
-  can no longer learn; 4 for a lost peer; 130 for a Ctrl-C outside the steps.
+  can no longer learn; 4 for a lost peer; 130 for a Ctrl-C and 143 for a SIGTERM that stop at once (before
+  the steps, or a second one).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -92,9 +94,14 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     except (ConfigError, checkpoint.CheckpointError, rewards.RewardError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         code = getattr(e, "code", 2)
-    except KeyboardInterrupt:  # a Ctrl-C outside the steps (the build, an eval, an export): one line
+    except KeyboardInterrupt:  # a Ctrl-C before the steps (the build, a resume's load), a second one, or a tool's
         print(f"{name}: interrupted (Ctrl-C)", file=sys.stderr)
         code = 130
+    except SystemExit as e:  # a SIGTERM before the steps, or a second one (dist.sigterm_flag): one line
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        print(f"{name}: stopped by SIGTERM", file=sys.stderr)
+        code = e.code
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         print(f"{name}: stopped: {e}", file=sys.stderr)
         code = 3

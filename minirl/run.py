@@ -121,6 +121,7 @@ class Run:
 
     def steps(self):
         """The loop's steps, from the resumed one, until the last or a stop (`end_step`)."""
+        self.stop.armed = True  # a first signal now waits for the step's end, and its save
         for step in range(self.start, self.args.steps):
             self._t0, self._in_step = time.perf_counter(), True
             self.log.begin_step()

@@ -4,9 +4,11 @@ the CUDA world's backend, the collectives' device check and the float32 master w
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -267,6 +269,7 @@ def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does(world):
     import os
     import signal
     check = dist.sigterm_flag()
+    check.armed = True  # the steps have begun (run.Run.steps)
     os.kill(os.getpid(), signal.SIGTERM)
     assert check() and check.name == "SIGTERM"
     with pytest.raises(SystemExit) as e:
@@ -335,10 +338,12 @@ def test_a_first_ctrl_c_asks_for_the_save_and_says_so(world, capfd):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         check = dist.sigterm_flag()
+        check.armed = True  # the steps have begun (run.Run.steps)
         assert not check()
         os.kill(os.getpid(), signal.SIGTERM)
         assert check() and check.name == "SIGTERM" and capfd.readouterr().err == ""
         check = dist.sigterm_flag()
+        check.armed = True
         os.kill(os.getpid(), signal.SIGINT)
         assert check() and check.name == "Ctrl-C"
         assert "Ctrl-C: saving a checkpoint at the end of this step, then exiting" in capfd.readouterr().err
@@ -347,19 +352,27 @@ def test_a_first_ctrl_c_asks_for_the_save_and_says_so(world, capfd):
         signal.signal(signal.SIGTERM, before[1])
 
 
-def test_a_ctrl_c_while_the_engine_builds_is_answered_on_the_console(tmp_path):
-    """The engine's build sends file descriptor 2 to its log (rollout.py): the answer to a Ctrl-C went
-    there, so a Ctrl-C during the build (minutes on a card) seemed ignored."""
-    code = ("import os, signal, sys\n"
-            "from minirl import dist\n"
-            "dist.sigterm_flag()\n"
-            "log = open(sys.argv[1], 'w')\n"
-            "os.dup2(log.fileno(), 2)  # as rollout.py does while vLLM builds\n"
-            "os.kill(os.getpid(), signal.SIGINT)\n")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "engine.log")], capture_output=True, text=True,
+@pytest.mark.parametrize("sig, code, says", [(signal.SIGTERM, 143, "minirl.grpo: stopped by SIGTERM"),
+                                              (signal.SIGINT, 130, "minirl.grpo: interrupted (Ctrl-C)")])
+def test_a_signal_while_the_engine_builds_stops_at_once_saying_so_on_the_console(tmp_path, sig, code, says):
+    """Before the steps there is nothing to save: a SIGTERM or Ctrl-C during the build (minutes on a card) ran on
+    through the build and a whole step to save it (a scheduler's grace is often 30 s), told "saving a checkpoint
+    at the end of this step". It stops at once, with one line on the console, not in the engine's log (the build
+    sends file descriptor 2 there)."""
+    script = ("import os, signal, sys, time\n"
+              "from minirl import dist, launch\n"
+              "from minirl.rollout import _engine_output\n"
+              "def main(argv):\n"
+              "    dist.sigterm_flag()\n"
+              "    with _engine_output(sys.argv[1]):  # as the engine's build\n"
+              f"        os.kill(os.getpid(), {int(sig)})\n"
+              "        time.sleep(60)\n"
+              "launch.run('minirl.grpo', main)\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "engine.log")], capture_output=True, text=True,
                        timeout=120)
-    assert p.returncode == 0 and "Ctrl-C: saving a checkpoint at the end of this step" in p.stderr, p.stderr
-    assert (tmp_path / "engine.log").read_text() == ""
+    assert p.returncode == code and p.stderr.strip().splitlines()[-1] == says, p.stderr
+    assert time.monotonic() - t0 < 50 and says not in (tmp_path / "engine.log").read_text()
 
 
 def test_ranks_on_one_host_share_its_cores_and_a_private_world_is_restored(monkeypatch):

@@ -139,6 +139,7 @@ def test_a_first_ctrl_c_during_the_final_export_is_told_the_export_finishes(tmp_
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         run, _ = harness(tmp_path, tiny_path, world, eval_every=0)
+        run.stop.armed = True  # the steps are done (`Run.steps` arms the signal's save)
         run.finish(models.sharded(tiny_path, "policy", world, "float32"), before=lambda: os.kill(os.getpid(),
                                                                                                  signal.SIGINT))
     finally:
@@ -147,3 +148,21 @@ def test_a_first_ctrl_c_during_the_final_export_is_told_the_export_finishes(tmp_
     err = capfd.readouterr().err
     assert "Ctrl-C: the export of the final policy finishes first, then the run exits" in err
     assert "saving a checkpoint" not in err and (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_signal_before_the_first_step_stops_at_once_and_one_in_a_step_waits_for_its_save(tmp_path, tiny_path,
+                                                                                          world):
+    """Before the steps (the build, a resume's load) there is nothing to save: a SIGTERM stops at once (exit 143);
+    once the steps begin, the first asks for the save at the step's end."""
+    import os
+    import signal
+    run, said = harness(tmp_path, tiny_path, world)
+    with pytest.raises(SystemExit) as e:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 143
+    saved = []
+    for step in run.steps():
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step ends, is saved, and the run stops
+        run.end_step(step, {"completion_len_mean": 1.0}, stepped=True, save=lambda: saved.append(step))
+    assert saved == [1] and run.stopped == "signal" and run.done == 2

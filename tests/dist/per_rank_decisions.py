@@ -67,6 +67,7 @@ print(f"rank {r}: B12 poisoned on one rank, skipped on both", flush=True)
 
 # ---- (4) a SIGTERM that reached rank 1 only: both ranks save and stop at the step boundary ----
 stop = dist.sigterm_flag()
+stop.armed = True  # the steps have begun (run.Run.steps)
 if r == 1:
     os.kill(os.getpid(), signal.SIGTERM)
 assert stop() and stop.name == "SIGTERM", r
