@@ -124,7 +124,7 @@ class JsonlTask:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
     def _read(self, path: str, flag: str, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
-        rows, places = [], []
+        rows = []
         for file in data_files(path):  # a pattern's files, in name order
             for where, r in _records(file, flag):
                 if not isinstance(r, dict):
@@ -132,14 +132,15 @@ class JsonlTask:
                                       f"{type(r).__name__}")
                 prompt = _prompt_text(r, self.prompt_key, self.tok, self.template_kwargs, where)
                 rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
-                places.append(where)
         for i in range(0, len(rows) if self.tok is not None and limit else 0, 1024):
             # 1,024 prompts a tokenizer call: one call a row spent 0.3 ms in transformers, most of a big file's load
             ids = self.tok([p.prompt for p in rows[i:i + 1024]], add_special_tokens=False).input_ids
             over = next((i + j for j, x in enumerate(ids) if len(x) > limit), None)
-            if over is not None:
-                raise ConfigError(f"{places[over]}: the prompt has more than --rollout.max-prompt-tokens={limit} "
-                                  "tokens; raise the flag or shorten the prompt")
+            if over is not None:  # its place, found by reading again (not kept for a million rows on every rank)
+                where = next(w for k, (w, _) in enumerate(r for f in data_files(path) for r in _records(f, flag))
+                             if k == over)
+                raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
+                                  "raise the flag or shorten the prompt")
         return rows
 
     @staticmethod
