@@ -715,7 +715,7 @@ def test_export_never_writes_over_the_root_the_working_directory_or_the_run(tmp_
         check_out(out, str(ckpt), overwrite=True)
 
 
-def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path, capsys):
+def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win(tmp_path, capsys, monkeypatch):
     """`minirl-eval --checkpoint <run>/checkpoints/step_N` (or `--checkpoint=`) takes the run's config.json
     as `--config` would, leniently (its training flags are skipped); a flag given beside it wins; an
     explicit `--config`, a run without config.json or a `--checkpoint` with no value reads nothing more.
@@ -741,6 +741,9 @@ def test_eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_i
         for argv in (["--model.path", str(export)], [f"--model.path={export}/", "--seed", "3"]):
             assert _with_run_config(argv) == ["--config", os.path.join(f"{export}/" if "=" in argv[0] else export,
                                                                        "minirl_config.json"), *argv]
+    monkeypatch.setenv("HOME", str(tmp_path))  # `--model.path=~/exported`: the home folder's, as the flags read it
+    assert _with_run_config(["--model.path=~/exported"]) == ["--config", f"{tmp_path}/exported/minirl_config.json",
+                                                             "--model.path=~/exported"]
     (tmp_path / "model").mkdir()
     for argv in (["--checkpoint", str(ckpt), "--config", "other.yaml"], [f"--config={tmp_path}/x.json",
                  "--checkpoint", str(ckpt)], ["--checkpoint", str(tmp_path / "elsewhere" / "step_1")],

@@ -91,7 +91,7 @@ def _with_run_config(argv: list[str]) -> list[str]:
         return argv
     for i, a in enumerate(argv):
         flag, _, value = a.partition("=")
-        value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+        value = os.path.expanduser(value or (argv[i + 1] if i + 1 < len(argv) else ""))  # as the flags read it
         if flag == "--checkpoint" and value:
             run_config = run_config_path(value)
         elif flag == "--model.path" and value:
