@@ -77,6 +77,13 @@ def test_a_path_that_starts_with_a_tilde_is_under_the_home_folder(tmp_path, monk
                                      f"{home}/train.jsonl", [f"{home}/rewards.py:f"], home)
     args = launch.parse(GRPOArgs, ["--log.run-dir", "runs/a~b", "--log.wandb-project", "p~"], "")
     assert (args.log.run_dir, args.log.wandb_project) == ("runs/a~b", "p~")  # only a leading ~ is the home
+    from minirl.tools import export, plot  # the tools' paths too, quoted or after `=`
+    with pytest.raises(ConfigError, match=re.escape(f"CHECKPOINT='{home}/nope' is not a folder")):
+        export.main(["~/nope", "~/out"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n{"step": 1, "reward_mean": 0.7}\n')
+    plot.main(["~/run", "--out=~/curve.png"])
+    assert (tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_a_config_file_never_carries_the_runs_own_switches_in_the_flags_own_spelling_either(tmp_path):

@@ -109,9 +109,9 @@ def export(ckpt: str, out: str, model_path: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minirl-export", description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("checkpoint", help="a checkpoint folder: <run dir>/checkpoints/step_N")
-    ap.add_argument("out", help="the Hugging Face folder to write")
-    ap.add_argument("--model.path", "--model-path", dest="model_path", default="",
+    ap.add_argument("checkpoint", type=os.path.expanduser, help="a checkpoint folder: <run dir>/checkpoints/step_N")
+    ap.add_argument("out", type=os.path.expanduser, help="the Hugging Face folder to write")
+    ap.add_argument("--model.path", "--model-path", dest="model_path", default="", type=os.path.expanduser,
                     help="the model the checkpoint was trained from (default: the run's)")
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT (nothing else is "
                     "ever deleted)")
