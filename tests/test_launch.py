@@ -81,7 +81,8 @@ def test_a_path_that_starts_with_a_tilde_is_under_the_home_folder(tmp_path, monk
     with pytest.raises(ConfigError, match=re.escape(f"CHECKPOINT='{home}/nope' is not a folder")):
         export.main(["~/nope", "~/out"])
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n{"step": 1, "reward_mean": 0.7}\n')
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n'
+                                                    '{"step": 1, "reward_mean": 0.7}\n')
     plot.main(["~/run", "--out=~/curve.png"])
     assert (tmp_path / "curve.png").stat().st_size > 0
 
