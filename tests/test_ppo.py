@@ -806,3 +806,19 @@ def test_colocated_critic_and_reference_are_off_the_card_whenever_the_engine_is_
     train_in_process(args, tiny_path, world, source)
     assert on_card_while_awake(engine.log, {"policy", "value", "ref"}) == []
     assert engine.log.count("generate") == 2 and engine.log.count("onload:value") >= 2
+
+
+def test_a_trainer_that_fails_lets_the_rollout_ranks_leave_at_once_and_keeps_its_own_error(world):
+    """`StoreGroups.cleanup`, which `Run.guard` calls when the trainer raises (not dies): `stop` is set, so the
+    rollout ranks leave their waits now rather than when the trainer's heartbeat falls silent; a store that is
+    gone already never replaces the trainer's own error."""
+    from minirl.placement import StoreGroups, _Term
+
+    store = torch.distributed.HashStore()
+    StoreGroups(PPOArgs(), store, world).cleanup()
+    assert store.check(["stop"]) and store.get("stop") == b"1" and _Term(store, 1).trainer_gone()
+
+    class Gone:
+        def set(self, key, value):
+            raise RuntimeError("Connection reset by peer")
+    StoreGroups(PPOArgs(), Gone(), world).cleanup()  # nothing raised
