@@ -372,7 +372,7 @@ def test_a_signal_while_the_engine_builds_stops_at_once_saying_so_on_the_console
     p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "engine.log")], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == code and p.stderr.strip().splitlines()[-1] == says, p.stderr
-    assert time.monotonic() - t0 < 50 and says not in (tmp_path / "engine.log").read_text()
+    assert time.monotonic() - t0 < 50 and (tmp_path / "engine.log").read_text() == ""
 
 
 def test_ranks_on_one_host_share_its_cores_and_a_private_world_is_restored(monkeypatch):
