@@ -282,8 +282,8 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
     for i in at:
         path = argv[i].split("=", 1)[1] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
         path = os.path.expanduser(path)  # `--config=~/r.yaml`: the shell leaves a ~ after = as it is
-        # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
         data = _read(path)
+        # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
         default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
         default.config = path
     args = tyro.cli(cls, args=argv, default=default, description=description)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -137,8 +138,8 @@ class JsonlTask:
             ids = self.tok([p.prompt for p in rows[i:i + 1024]], add_special_tokens=False).input_ids
             over = next((i + j for j, x in enumerate(ids) if len(x) > limit), None)
             if over is not None:  # its place, found by reading again (not kept for a million rows on every rank)
-                where = next(w for k, (w, _) in enumerate(r for f in data_files(path) for r in _records(f, flag))
-                             if k == over)
+                again = (record for f in data_files(path) for record in _records(f, flag))
+                where, _ = next(itertools.islice(again, over, None))
                 raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                   "raise the flag or shorten the prompt")
         return rows
@@ -173,7 +174,8 @@ def _records(path: str, flag: str):
                 with pyarrow.memory_map(path) as source:
                     table = pyarrow.ipc.open_stream(source).read_all()
         except pyarrow.ArrowException as e:  # cut short (a download that stopped), or another format
-            raise ConfigError(f"{flag}={path!r}: not a readable {kind} file ({str(e).splitlines()[0]})") from e
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"{flag}={path!r}: not a readable {kind} file ({why})") from e
         for n, r in enumerate(table.to_pylist(), 1):
             yield f"{flag}: {path}: row {n}", r
         return
