@@ -288,7 +288,8 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         default.config = path
     args = tyro.cli(cls, args=argv, default=default, description=description)
     _home(args)
-    if not lenient and int(os.environ.get("RANK", 0)) == 0:  # a recipe's own run dir is not dropped without a word
+    # a recipe's own run dir is not dropped without a word: said once, by rank 0 (the rehearsal's child parses again)
+    if not lenient and int(os.environ.get("RANK", 0)) == 0 and os.environ.get("MINIRL_REHEARSAL_CHILD") != "1":
         for line in _not_taken(data, args, argv):
             print(f"--config {args.config}: {line}", file=sys.stderr, flush=True)
     return args

@@ -35,7 +35,7 @@ def test_a_config_file_sets_defaults_and_flags_beside_it_win(tmp_path):
         launch.parse(GRPOArgs, ["--rl.grad-accum", "4"], "")
 
 
-def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys):
+def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys, monkeypatch):
     """Another run's config.json (run dir, overwrite, resume, checkpoint dir) reruns its recipe, never
     into that run: the switches come only from the command line. Each one the file holds is named in a line
     with the flag that would set it (a recipe's own run dir was dropped without a word), unless given."""
@@ -61,6 +61,9 @@ def test_a_config_file_never_carries_the_runs_own_switches(tmp_path, capsys):
         "checkpoint.dir", "checkpoint.resume"]  # and those given are not named
     launch.parse(GRPOArgs, ["--config", str(f), "--log.run-dir", "x", "--log.no-overwrite", "--checkpoint.resume",
                             "auto", "--checkpoint.dir", "d"], "")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("MINIRL_REHEARSAL_CHILD", "1")  # `--dry-run --rehearse`: its child parses the flags again
+    launch.parse(GRPOArgs, ["--config", str(f)], "")
     assert capsys.readouterr().err == ""
 
 
