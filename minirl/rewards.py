@@ -131,7 +131,7 @@ def load(spec: str) -> Callable:
                           "pkg.module.function, or path/to/file.py:function)")
     if os.getcwd() not in sys.path:  # console scripts do not put it there; `python -m` does
         sys.path.insert(0, os.getcwd())
-    as_name = f"minirl_reward_{abs(hash(os.path.abspath(module)))}" if module.endswith(".py") else module
+    as_name = _file_module(module) if module.endswith(".py") else module
     try:
         if as_name not in sys.modules and module.endswith(".py"):  # a file: imported once, as `import` would
             found = importlib.util.spec_from_file_location(as_name, module)
@@ -153,6 +153,21 @@ def load(spec: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"--task.reward={spec!r} is not a function")
     return fn
+
+
+def _file_module(path: str) -> str:
+    """The name a reward file is imported by: its own, its folder put last on the path, so that a process
+    pool's spawned workers (forkserver is Python 3.14's default), which import what they run by name, find it;
+    a name of minirl's where its own is another module's (`json.py`, a second `score.py`)."""
+    path = os.path.abspath(path)
+    folder, name = os.path.dirname(path), os.path.basename(path)[:-3]
+    if folder not in sys.path:
+        sys.path.append(folder)
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # not a module name (`my-reward`), or a module without a spec
+        found = None
+    return name if found is not None and found.origin == path else f"minirl_reward_{abs(hash(path))}"
 
 
 def kind(fn: Callable) -> str:

@@ -373,6 +373,18 @@ def test_a_reward_file_is_imported_as_import_would_so_its_dataclasses_work_and_i
         rewards.load(f"{tmp_path}/dc_rw.py:h")
 
 
+def test_a_reward_file_is_importable_by_name_in_a_spawned_process_pool(tmp_path):
+    """A sandbox or a slow parser scored in a process pool: a spawned worker (forkserver is Python 3.14's
+    default) imports the function it runs by its module's name, which a file named by path did not have."""
+    (tmp_path / "pool_rw.py").write_text(
+        "import multiprocessing\ndef one(text):\n    return float(text == '3')\n"
+        "def f(completions, **kw):\n    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "        return pool.map_async(one, completions).get(30)\n")  # the old code's lost task: no hang
+    (tmp_path / "json.py").write_text("def f(completion, answer):\n    return 1.0\n")  # another module's name
+    assert Scorer([f"{tmp_path}/pool_rw.py:f"], [])(["3", "4"], ["3", "3"], [False, False])[0] == [1.0, 0.0]
+    assert rewards.load(f"{tmp_path}/json.py:f")("", "") == 1.0 and "loads" in dir(sys.modules["json"])
+
+
 def test_a_reward_module_in_the_working_directory_is_found_as_with_python_m(tmp_path, monkeypatch):
     (tmp_path / "here_rw.py").write_text("def f(completion, answer):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
