@@ -62,9 +62,21 @@ def check_folder(path: str) -> None:
     if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise ConfigError(f"--model.path={path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
                           "copy the base model's tokenizer files beside its weights")
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):  # a hub model's: fetched as safetensors only
+        raise ConfigError(f"--model.path={path!r} has no weights (no *.safetensors file); copy the model's weights "
+                          "beside its config.json")
     for name in sorted(names):
         if name.endswith(".safetensors"):
             _check_safetensors(os.path.join(path, name))
+        if name.endswith(".index.json"):  # a sharded model's: every shard it names is here (a download cut short)
+            try:
+                with open(os.path.join(path, name)) as f:
+                    shards = set(json.load(f)["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--model.path: {path}/{name} is not a readable shard index ({e!r})") from e
+            if shards - set(names):
+                raise ConfigError(f"--model.path: {path}/{name} names {len(shards - set(names))} shard(s) the folder "
+                                  f"lacks ({sorted(shards - set(names))[0]}, ...); download them again")
 
 
 def _check_safetensors(file: str) -> None:
