@@ -58,6 +58,14 @@ def check_folder(path: str) -> None:
         raise ConfigError(f"--model.path: {config} is not valid JSON ({e})") from e
     if not isinstance(hf, dict) or "model_type" not in hf:
         raise ConfigError(f"--model.path: {config} names no model_type: not a Hugging Face model config")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+    if hf["model_type"] not in CAUSAL_LMS:  # a model of remote code, or newer than this transformers
+        raise ConfigError(f"--model.path: {config} names model_type {hf['model_type']!r}, which this transformers "
+                          "cannot load as a causal language model (minirl runs no code of a model's own)")
+    heads = hf.get("architectures") or []
+    if heads and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in heads):
+        raise ConfigError(f"--model.path: {config} is a {heads[0]}, a model that does not generate; the policy is a "
+                          "causal language model (a reward model scores inside a --task.reward function)")
     names = os.listdir(path)
     if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
         raise ConfigError(f"--model.path={path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
