@@ -22,6 +22,7 @@ def test_plot_writes_a_png_of_the_logged_curves(tmp_path):
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert len(read(str(tmp_path))) == 6
+    assert plot(str(tmp_path / "metrics.jsonl")) == out  # the file itself names its run
     assert series(read(str(tmp_path)), "reward_mean") == ([0, 1, 2, 3, 4], [0.0, 0.1, 0.2, 0.30000000000000004, 0.4])
 
 

@@ -59,6 +59,8 @@ def plot(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if os.path.isfile(run_dir):  # the run's metrics.jsonl itself
+        run_dir = os.path.dirname(run_dir) or "."
     records = read(run_dir)
     panels = drawn(records)
     if not panels:
@@ -86,7 +88,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minirl-plot", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=os.path.expanduser, help="a run directory (--log.run-dir) holding metrics.jsonl")
+    ap.add_argument("run_dir", type=os.path.expanduser, help="a run directory (--log.run-dir) holding metrics.jsonl, or that file")
     ap.add_argument("--out", default=None, type=os.path.expanduser, help="PNG path (default: RUN_DIR/curve.png)")
     a = ap.parse_args(argv)
     print(plot(a.run_dir, a.out))
