@@ -45,9 +45,11 @@ def check_checkpoint(ckpt: str, flag: str) -> None:
         raise ConfigError(f"{flag}={ckpt!r} is not a folder; give a checkpoint, <run dir>/checkpoints/step_N")
     from minirl import checkpoint
     names = os.listdir(ckpt)
-    if "metrics.jsonl" in names or "checkpoints" in names:
-        newest = checkpoint.find("auto", os.path.join(ckpt, "checkpoints"))  # the newest complete one, or None
-        raise ConfigError(f"{flag}={ckpt!r} is a run directory; give one of its checkpoints ("
+    held = any(n.startswith("step_") for n in names)  # the run's checkpoints/ folder itself
+    if "metrics.jsonl" in names or "checkpoints" in names or held:
+        newest = checkpoint.find("auto", ckpt if held else os.path.join(ckpt, "checkpoints"))  # complete, or None
+        raise ConfigError(f"{flag}={ckpt!r} is {'a folder of checkpoints' if held else 'a run directory'}; give "
+                          "one of its checkpoints ("
                           + (f"the newest is {newest}" if newest else "it has none")
                           + (f"), or use its exported policy: --model.path {os.path.join(ckpt, 'final')}"
                              if "final" in names else ")"))
