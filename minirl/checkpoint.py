@@ -62,17 +62,18 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
     if not resume:
         return None
     if resume != "auto":
+        held = _completed(os.path.join(resume, "checkpoints")) or _completed(resume)  # a run dir, its checkpoints/
+        if held and not _complete(resume):
+            raise CheckpointError(f"--checkpoint.resume={resume!r} holds checkpoints and is not one: give one of them "
+                                  f"(the newest complete one is {held[-1]}), or `auto`")
         if not os.path.isdir(resume) or not _complete(resume):
             raise CheckpointError(f"--checkpoint.resume={resume!r}: not a complete checkpoint "
                                   f"(no {MARKER} marker: the save was interrupted); use an earlier one or `auto`")
         if loop:
             check(resume, loop, world_size)
         return resume
-    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")
-                  and _complete(os.path.join(ckpt_dir, d))) if os.path.isdir(ckpt_dir) else []
-    for d in reversed(done):
+    for path in reversed(_completed(ckpt_dir)):
         try:
-            path = os.path.join(ckpt_dir, d)
             state = _state(path)
             if owner and state.get("line", owner["line"]) != owner["line"] and steps_done(path) > owner["from"]:
                 continue  # a line this run left when it resumed an older checkpoint by path
@@ -83,6 +84,13 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"--checkpoint.resume auto: skipping {e}", flush=True)
     return None
+
+
+def _completed(ckpt_dir: str) -> list[str]:
+    """The complete checkpoints in `ckpt_dir`, oldest first."""
+    done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")
+                  and _complete(os.path.join(ckpt_dir, d))) if os.path.isdir(ckpt_dir) else []
+    return [os.path.join(ckpt_dir, d) for d in done]
 
 
 LOOP_KEYS = {"grpo": ("optimizer_steps", "skipped", "probe_done"), "ppo": ()}  # what each loop's resume reads

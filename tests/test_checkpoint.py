@@ -645,7 +645,7 @@ def test_a_data_file_shorter_than_its_metadata_says_is_named_with_both_sizes(tmp
 
 def test_auto_and_a_path_take_only_complete_checkpoints(tmp_path, world, tiny_path):
     """`auto` passes over an interrupted save (`.tmp`) and a folder without its marker; named by path,
-    such a folder is refused."""
+    such a folder is refused, and a folder that holds checkpoints is told its newest."""
     first, second = two_checkpoints(tmp_path, world, tiny_path, GRPO_STATE)
     os.rename(second, second.replace("step_00000002", "step_00000003") + ".tmp")
     os.remove(os.path.join(first, checkpoint.MARKER))
@@ -653,6 +653,12 @@ def test_auto_and_a_path_take_only_complete_checkpoints(tmp_path, world, tiny_pa
     assert checkpoint.find("auto", d, "grpo", 1) is None
     with pytest.raises(checkpoint.CheckpointError, match=r"not a complete checkpoint \(no COMPLETE marker"):
         checkpoint.find(first, d, "grpo", 1)
+    open(os.path.join(first, checkpoint.MARKER), "w").close()
+    for holder in (d, str(tmp_path)):  # the run's checkpoints/, the run directory: named as what they are
+        with pytest.raises(checkpoint.CheckpointError, match=rf"={re.escape(repr(holder))} holds checkpoints and is "
+                                                             rf"not one: give one of them \(the newest complete one "
+                                                             rf"is {re.escape(first)}\)"):
+            checkpoint.find(holder, d, "grpo", 1)
 
 
 def test_a_metadata_naming_any_torch_function_is_refused(tmp_path, world, tiny_path):
