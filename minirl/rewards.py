@@ -5,7 +5,8 @@ weighted by `--task.reward-weights`. Each is imported and called once on the fir
 the flags are checked, before any model is built; its form is read once from its parameters (`kind`):
 minirl's `f(completion, answer) -> float`, TRL's batched `f(completions, **columns) -> list[float |
 None]` (or `completion_ids`, `prompts`), or verl's `compute_score(data_source, solution_str,
-ground_truth, extra_info)`; TRL's and verl's may be `async def`. The defaults:
+ground_truth, extra_info)` or its batched form (`solution_strs`, ...); TRL's and verl's may be `async def`.
+The defaults:
 `count` (the built-in task), `gsm8k` (verl's strict GSM8K score for a numeric reference) and
 `gsm8k_flexible` (the last number anywhere).
 
@@ -89,7 +90,9 @@ FORMS = {  # how each kind of reward function is called, as the errors describe 
     "trl": "TRL's f(completions, prompts=..., completion_ids=..., trainer_state=..., log_metric=..., log_extra=..., "
            "**columns) -> list[float | None]",
     "verl": "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float or "
-            "{'score': float, ...}"}
+            "{'score': float, ...}",
+    "verl_batch": "verl's batched compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> a list "
+                  "of floats or {'score': float, ...}"}
 
 
 class RewardError(RuntimeError):
@@ -180,6 +183,8 @@ def kind(fn: Callable) -> str:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: called as minirl's
         return "minirl"
+    if "solution_strs" in params:  # verl's `batch` reward manager's
+        return "verl_batch"
     trl = any(name in params for name in ("completions", "completion_ids", "prompts"))
     return "verl" if "solution_str" in params else "trl" if trl else "minirl"
 
@@ -253,16 +258,20 @@ class Scorer:
                         mean = sum(values) / len(values)
                         for r in range(len(texts)):
                             log(name, r, mean)
-                    # TRL iterates what it gets: a list, a tuple, a NumPy array, a tensor, a generator
-                    values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
-                    if len(values) != len(texts):
-                        raise TypeError(f"returned {_shown(got)}, not a list of {len(texts)} floats")
-                    return [math.nan if v is None else _reward(v, nan_is_none=True) for v in values], logged
+                    return [math.nan if v is None else _reward(v, nan_is_none=True)
+                            for v in _listed(got, len(texts))], logged
+                if form == "verl_batch":
+                    batch = _listed(_call(fn, data_sources=[r.get("data_source") for r in rows], solution_strs=texts,
+                                          ground_truths=answers, extra_infos=[r.get("extra_info") for r in rows]),
+                                    len(texts))
                 out = []
                 for t, a, r in zip(texts, answers, rows):  # one row at a time: `on` names the one being scored
-                    on[0] = f"the completion {t[:200]!r}"
-                    got = _call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
-                                extra_info=r.get("extra_info")) if form == "verl" else fn(t, a)
+                    if form == "verl_batch":
+                        got = batch[len(out)]
+                    else:
+                        on[0] = f"the completion {t[:200]!r}"
+                        got = _call(fn, data_source=r.get("data_source"), solution_str=t, ground_truth=a,
+                                    extra_info=r.get("extra_info")) if form == "verl" else fn(t, a)
                     for name, value in got.items() if isinstance(got, dict) else ():
                         if name != "score":
                             log(name, len(out), value)
@@ -363,6 +372,15 @@ def _call(fn, **kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     out = fn(**kwargs)
     return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def _listed(got, n: int) -> list:
+    """A batched function's values: any sequence TRL iterates (a list, a tuple, a NumPy array, a tensor, a
+    generator), of one value per row."""
+    values = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else []
+    if len(values) != n:
+        raise TypeError(f"returned {_shown(got)}, not a list of {n} floats")
+    return values
 
 
 def _trl_inputs(rows: list[dict], texts: list[str]) -> tuple[list, list]:

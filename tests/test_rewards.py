@@ -205,6 +205,12 @@ def verl_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": float(solution_str == ground_truth), "extra": data_source}
 
 
+def verl_batch(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    """verl's `batch` reward manager's form: every row at once, a float or a dict each."""
+    return [{"score": float(s == g), "row": e["i"]} if d == "gsm8k" else float(s == g)
+            for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+
+
 def verl_keywords(data_source=None, solution_str=None, ground_truth=None, **kw):
     """verl's keyword style: called positionally as f(completion, answer) it scored 0 on everything."""
     return float(solution_str == ground_truth)
@@ -317,12 +323,18 @@ def test_an_async_reward_function_is_run_to_its_result(forms):
     assert parts == [[1.0, 0.0], [1.0, 0.0]] and total == [2.0, 0.0]
 
 
-def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read(forms):
+def test_verls_compute_score_gets_its_keywords_and_its_dict_score_is_read_one_row_or_a_batch_at_a_time(forms):
     s = Scorer(["userpkg.scores:verl_score", "userpkg.scores:verl_keywords"], [])
     assert s.kinds == ["verl", "verl"]
     rows = [{"data_source": "gsm8k", "extra_info": {"i": 0}}] * 2
     total, parts = s(["42", "41"], ["42", "42"], [False, False], rows)
     assert parts == [[1.0, 0.0], [1.0, 0.0]] and total == [2.0, 0.0]
+    batched = Scorer(["userpkg.scores:verl_batch"], [])  # verl's `batch` reward manager's form
+    assert batched.kinds == ["verl_batch"]
+    rows = [{"data_source": "gsm8k", "extra_info": {"i": 5}}, {"data_source": "math", "extra_info": {"i": 6}}]
+    total, parts = batched(["42", "42"], ["42", "41"], [False, False], rows)
+    assert total == [1.0, 0.0] and parts[0] == [1.0, 0.0] and parts[1][0] == 5.0 and math.isnan(parts[1][1])
+    assert batched.names == ["verl_batch", "verl_batch/row"]  # a dict's other numbers are logged by row
 
 
 @pytest.mark.parametrize("name, says", [
