@@ -88,7 +88,8 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="minirl-plot", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=os.path.expanduser, help="a run directory (--log.run-dir) holding metrics.jsonl, or that file")
+    ap.add_argument("run_dir", type=os.path.expanduser,
+                    help="a run directory (--log.run-dir) holding metrics.jsonl, or that file")
     ap.add_argument("--out", default=None, type=os.path.expanduser, help="PNG path (default: RUN_DIR/curve.png)")
     a = ap.parse_args(argv)
     print(plot(a.run_dir, a.out))
