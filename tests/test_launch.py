@@ -699,7 +699,8 @@ def test_what_a_checkpoint_argument_is_instead_is_said_from_its_files(tmp_path):
     (newest / "COMPLETE").write_text("2\n")
     (newest / "loop_state.json").write_text('{"steps_done": 2}')
     assert says(saved) == f"a run directory; give one of its checkpoints (the newest is {newest})"
-    assert says(saved / "checkpoints") == f"a folder of checkpoints; give one of its checkpoints (the newest is {newest})"
+    assert says(saved / "checkpoints") == ("a folder of checkpoints; give one of its checkpoints "
+                                           f"(the newest is {newest})")
     (saved / "final").mkdir()
     assert says(saved).endswith(f"), or use its exported policy: --model.path {saved / 'final'}")
     assert says(saved / "final") == ("not a training checkpoint (no loop_state.json); give <run dir>/checkpoints/"

@@ -318,11 +318,12 @@ def test_the_entropy_bonus_gradient_through_the_chunked_head_equals_the_full_dis
     (lambda d: os.remove(d / "model.safetensors"), r"has no weights \(no \*\.safetensors file\)"),
     (lambda d: (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "lm_head.weight": "model-00002-of-00002.safetensors", "norm.weight": "model.safetensors"}})),
-     r"model\.safetensors\.index\.json names 1 shard\(s\) the folder lacks \(model-00002-of-00002\.safetensors, \.\.\.\)"),
+     r"model\.safetensors\.index\.json names 1 shard\(s\) the folder lacks "
+     r"\(model-00002-of-00002\.safetensors, \.\.\.\)"),
     (lambda d: (d / "model.safetensors.index.json").write_text("{}"), r"is not a readable shard index \(KeyError"),
 ])
-def test_a_model_folder_without_a_causal_model_a_tokenizer_or_its_weights_is_refused_before_loading(tiny_path, tmp_path, broken,
-                                                                                       says):
+def test_a_model_folder_without_a_causal_model_a_tokenizer_or_its_weights_is_refused_before_loading(
+        tiny_path, tmp_path, broken, says):
     """A config.json of `{}` and a folder without tokenizer files: one line naming the folder, before
     any load (they used to fail deep in transformers, or at step 0 with "The decoder prompt cannot be empty")."""
     from minirl.config import ConfigError, ModelConfig
