@@ -32,7 +32,7 @@ from minirl.batch import as_group
 from minirl.config_ppo import PPOArgs
 from minirl.logger import engine_log, memory_peak_gib
 from minirl.offload import HandOff, Together
-from minirl.refit import drop, put, take
+from minirl.refit import drop, noted, put, take
 from minirl.rollout import Engine
 from minirl.sampler import Group, ReadyGroups
 from minirl.tasks import held_out, prompt_id, scored
@@ -207,7 +207,7 @@ def rollout_rank(ready, roles: refit.Roles, store) -> None:
                 if version is None:
                     return  # the trainer stopped: --log.target-eval-accuracy, SIGTERM, a failure
                 for i, g in _generate(engine, task, tok, mine[first:first + k], step, args, version):
-                    put(store, f"group/{step}/{i}", st_save(g))
+                    put(store, f"group/{step}/{i}", st_save(g), note=str(version))  # the controller reads the note
                 peak = max(peak, memory_peak_gib(roles.devices.engine, over_ranks=False))  # the trainer takes the max
                 store.set(f"memory/{roles.global_rank}", str(peak))
         version = _catch_up(engine, store, group, buckets, version, args.steps, roles, evaluate, term)  # the last refit
@@ -299,7 +299,7 @@ def _next_chunk(store, ready: ReadyGroups, waiting: set, step: int, world: dist.
         for i in sorted(waiting):
             key = f"group/{step}/{i}"
             if store.check([key]):
-                version = int(st_load(take(store, key))["version"])
+                version = int(noted(store, key))  # not the group itself: a train rank reads its own share
                 if not ready.add(Group(i, version), step):
                     raise RuntimeError(f"group {i} of step {step} was sampled by version {version}: too stale")
                 waiting.discard(i)

@@ -109,22 +109,31 @@ def store_client(store: tdist.PrefixStore) -> tdist.PrefixStore:
 PART_BYTES = 4 << 20
 
 
-def put(store, key: str, blob: bytes) -> None:
+def put(store, key: str, blob: bytes, note: str = "") -> None:
+    """`blob` under `key` in parts; `note`: a few words read without the blob (`noted`)."""
     parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)]
     for k, part in enumerate(parts):
         store.set(f"{key}/{k}", part)
-    store.set(key, str(len(parts)))  # present = complete
+    store.set(key, f"{len(parts)} {note}".strip())  # present = complete
+
+
+def noted(store, key: str) -> str:
+    return store.get(key).decode().partition(" ")[2]
 
 
 def take(store, key: str) -> bytes:
-    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
+    return b"".join(store.get(f"{key}/{k}") for k in range(_parts(store, key)))
 
 
 def drop(store, key: str) -> None:
-    n = int(store.get(key))
+    n = _parts(store, key)
     store.delete_key(key)
     for k in range(n):
         store.delete_key(f"{key}/{k}")
+
+
+def _parts(store, key: str) -> int:
+    return int(store.get(key).split()[0])
 
 
 # ---- the refit group: trainer rank 0 and the rollout ranks ----

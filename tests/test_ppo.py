@@ -634,6 +634,24 @@ def test_store_blobs_over_the_8_mib_store_limit_go_in_parts_and_are_dropped_whol
     assert take(store, "version/4") == b""
 
 
+def test_the_controller_reads_a_groups_version_from_its_note_never_the_group():
+    """Train rank 0 polls every finished group for its version: a few bytes, not the group (a 1 MiB group read
+    twice, once here and once by the rank that trains on it); it reads only its own share."""
+    from minirl.dist import World
+    from minirl.placement import _next_chunk
+    from minirl.refit import noted, put
+    from minirl.sampler import ReadyGroups
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
+    put(store, "group/3/0", b"not a group: never read here", note="2")
+    put(store, "group/3/1", b"", note="1")  # version 1 at step 3: too stale
+    assert noted(store, "group/3/0") == "2"
+    ready, waiting = ReadyGroups(num_prompts=2, min_groups=1), {0}
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    assert _next_chunk(store, ready, waiting, 3, world) == [0] and waiting == set()
+    with pytest.raises(RuntimeError, match="group 1 of step 3 was sampled by version 1: too stale"):
+        _next_chunk(store, ready, {1}, 3, world)
+
+
 def test_one_process_is_refused_naming_the_launch(tmp_path):
     p = run([sys.executable, "-m", "minirl.ppo", "--log.run-dir", str(tmp_path)], timeout=120)
     assert p.returncode == 2 and "--nproc-per-node" in p.stderr
