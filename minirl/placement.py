@@ -6,9 +6,9 @@ docs/guide-streaming.md). Both are group sources with the same few calls: `start
 - disaggregated: `StoreGroups` on the train ranks, `rollout_rank` on ranks [0, R). Rollout rank r
   generates the step's groups i with i % R == r, a few per vLLM call, and puts each finished group on
   the run's TCPStore; before every call it takes the versions the trainer announced, in order, and
-  waits for version >= s - max_lookahead_versions (S23). Train rank 0 polls, asks the sampler for
-  the next chunk (S16) and tells the other train ranks which groups it took. Weights go over the
-  refit group (refit.py); the store only announces them.
+  waits for version >= s - max_lookahead_versions (S23). Train rank 0 polls (each group's version from the
+  note beside it, never the group), asks the sampler for the next chunk (S16) and tells the other train
+  ranks which groups it took. Weights go over the refit group (refit.py); the store only announces them.
 - colocated (`EngineGroups`, full batch only): every rank generates its share with its own engine,
   which sleeps through the whole update until the refit after critic training (S13).
 
