@@ -324,8 +324,9 @@ def test_the_entropy_bonus_gradient_through_the_chunked_head_equals_the_full_dis
 ])
 def test_a_model_folder_without_a_causal_model_a_tokenizer_or_its_weights_is_refused_before_loading(
         tiny_path, tmp_path, broken, says):
-    """A config.json of `{}` and a folder without tokenizer files: one line naming the folder, before
-    any load (they used to fail deep in transformers, or at step 0 with "The decoder prompt cannot be empty")."""
+    """A config.json of `{}`, a model_type of remote code, a reward model, a folder without tokenizer files, without
+    weights or missing a shard: one line naming the folder, before any load (they used to fail deep in
+    transformers, or at step 0 with "The decoder prompt cannot be empty" or vLLM's "only for generative models")."""
     from minirl.config import ConfigError, ModelConfig
     d = copy_of(tiny_path, tmp_path)
     broken(d)
