@@ -62,7 +62,7 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
     if not resume:
         return None
     if resume != "auto":
-        held = _completed(os.path.join(resume, "checkpoints")) or _completed(resume)  # a run dir, its checkpoints/
+        held = completed(os.path.join(resume, "checkpoints")) or completed(resume)  # a run dir, its checkpoints/
         if held and not _complete(resume):
             raise CheckpointError(f"--checkpoint.resume={resume!r} holds checkpoints and is not one: give one of them "
                                   f"(the newest complete one is {held[-1]}), or `auto`")
@@ -72,7 +72,7 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
         if loop:
             check(resume, loop, world_size)
         return resume
-    for path in reversed(_completed(ckpt_dir)):
+    for path in reversed(completed(ckpt_dir)):
         try:
             state = _state(path)
             if owner and state.get("line", owner["line"]) != owner["line"] and steps_done(path) > owner["from"]:
@@ -86,7 +86,7 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
     return None
 
 
-def _completed(ckpt_dir: str) -> list[str]:
+def completed(ckpt_dir: str) -> list[str]:
     """The complete checkpoints in `ckpt_dir`, oldest first."""
     done = sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") and not d.endswith(".tmp")
                   and _complete(os.path.join(ckpt_dir, d))) if os.path.isdir(ckpt_dir) else []

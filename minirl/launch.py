@@ -172,6 +172,10 @@ def claim(args, resume: str | None) -> dict:
     if args.log.overwrite:
         clear(d, args.checkpoint_dir)
     elif args.checkpoint.resume == "auto" and resume is None and holds_run(d):
+        if checkpoint.completed(args.checkpoint_dir):  # each was skipped, with a line saying why
+            raise ConfigError(f"--checkpoint.resume auto: no checkpoint in {args.checkpoint_dir!r} can resume this "
+                              "launch (the lines above say why); launch as they say, or start over with "
+                              "--log.overwrite (which deletes them)")
         raise ConfigError(f"--checkpoint.resume auto: {d!r} holds a run but {args.checkpoint_dir!r} has no complete "
                           "checkpoint to resume; start over with --log.overwrite, or pick another --log.run-dir")
     return begin(args, resume)

@@ -124,6 +124,21 @@ def test_a_run_that_logged_no_step_is_started_over_under_an_identity_of_its_own(
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [".lock", "step_00000001.tmp"]
 
 
+def test_auto_that_skips_every_checkpoint_says_so_and_keeps_them(tmp_path, monkeypatch):
+    """Complete checkpoints that `auto` skipped (another world size, another loop: a line each says why) are not
+    "no complete checkpoint", and --log.overwrite, which would delete them, is not the only way on."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    os.makedirs(tmp_path / "checkpoints" / "step_00000002")
+    (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE").write_text("2\n")
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.checkpoint.resume = str(tmp_path), "auto"
+    with pytest.raises(ConfigError, match=r"no checkpoint in .*checkpoints' can resume this launch \(the lines above "
+                                          r"say why\); launch as they say, or start over with --log.overwrite"):
+        launch.claim(args, None)
+    assert os.listdir(tmp_path / "checkpoints" / "step_00000002") == ["COMPLETE"]
+
+
 def test_auto_continues_the_line_and_sets_nothing_aside(tmp_path, monkeypatch):
     """`auto` resumes the newest complete checkpoint of the run's own line: the identity is kept and a newer
     unfinished save (step_4.tmp) stays where it is; only a resume by path starts a line and sets newer ones aside."""
