@@ -62,11 +62,11 @@ def _find(resume: str, ckpt_dir: str, loop: str | None, world_size: int | None, 
     if not resume:
         return None
     if resume != "auto":
-        held = completed(os.path.join(resume, "checkpoints")) or completed(resume)  # a run dir, its checkpoints/
-        if held and not _complete(resume):
-            raise CheckpointError(f"--checkpoint.resume={resume!r} holds checkpoints and is not one: give one of them "
-                                  f"(the newest complete one is {held[-1]}), or `auto`")
         if not os.path.isdir(resume) or not _complete(resume):
+            held = completed(os.path.join(resume, "checkpoints")) or completed(resume)  # a run dir, its checkpoints/
+            if held:
+                raise CheckpointError(f"--checkpoint.resume={resume!r} holds checkpoints and is not one: give one of "
+                                      f"them (the newest complete one is {held[-1]}), or `auto`")
             raise CheckpointError(f"--checkpoint.resume={resume!r}: not a complete checkpoint "
                                   f"(no {MARKER} marker: the save was interrupted); use an earlier one or `auto`")
         if loop:

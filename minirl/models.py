@@ -82,9 +82,10 @@ def check_folder(path: str) -> None:
                     shards = set(json.load(f)["weight_map"].values())
             except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"--model.path: {path}/{name} is not a readable shard index ({e!r})") from e
-            if shards - set(names):
-                raise ConfigError(f"--model.path: {path}/{name} names {len(shards - set(names))} shard(s) the folder "
-                                  f"lacks ({sorted(shards - set(names))[0]}, ...); download them again")
+            missing = sorted(shards - set(names))
+            if missing:
+                raise ConfigError(f"--model.path: {path}/{name} names {len(missing)} shard(s) the folder lacks "
+                                  f"({missing[0]}, ...); download them again")
 
 
 def _check_safetensors(file: str) -> None:
