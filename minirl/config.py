@@ -74,11 +74,11 @@ class RolloutConfig:
     min_tokens: int = 0
     """Fewest completion tokens (EOS is suppressed before that); benchmarks set it to --rollout.max-tokens."""
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature, in (0, 2] as vLLM takes it."""
     top_p: float = 1.0
     """Nucleus sampling: sample from the smallest set of tokens holding this much probability (1 = all)."""
     top_k: int = 0
-    """Sample from the k likeliest tokens only (0 = all)."""
+    """Sample from the k likeliest tokens only (0 or -1 = all)."""
     kv_cache_gib: float = 1.0
     """CPU only: the engine's KV cache in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.3
@@ -324,7 +324,7 @@ def _check_numbers(obj, prefix: str = "--") -> None:
             _check_numbers(value, flag + ".")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{flag}={value} must be a finite number")
-        elif isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        elif isinstance(value, int) and not isinstance(value, bool) and value < 0 and flag != "--rollout.top-k":
             raise ConfigError(f"{flag}={value} must be >= 0")
 
 
@@ -364,7 +364,10 @@ def _check_run(args) -> None:
         if on and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{flag} needs {module}: pip install -e '.[{extra}]'")
     _check_run_dir(args)
-    _positive("--rollout.temperature", r.temperature)
+    if not 0 < r.temperature <= 2:  # vLLM refuses more, when the first step samples
+        raise ConfigError(f"--rollout.temperature={r.temperature} must be in (0, 2]")
+    if r.top_k < -1:
+        raise ConfigError(f"--rollout.top-k={r.top_k} must be >= 1, or 0 (or -1) for every token")
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError(f"--rollout.top-p={r.top_p} must be in (0, 1]")
     if not 0 <= r.min_tokens <= r.max_tokens:
