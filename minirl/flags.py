@@ -214,10 +214,9 @@ def _typed(value, tp, where: str):
         if value not in args:
             raise wrong
         return value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise wrong
-        return origin(_typed(v, args[0], where) for v in value)
+    if origin in (list, tuple):  # one item may be written bare, as a flag takes it (`reward: m:f`)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return origin(_typed(v, args[0], where) for v in items)
     if tp is bool:
         if not isinstance(value, bool):
             raise wrong

@@ -462,7 +462,7 @@ def test_a_config_file_of_exactly_64_kib_and_32_levels_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("text, ok", [
-    ('{"task": {"reward": ["m:f", "n:g"]}}', True), ('{"task": {"reward": "m:f"}}', False),
+    ('{"task": {"reward": ["m:f", "n:g"]}}', True), ('{"task": {"reward": {"m": "f"}}}', False),
     ('{"task": {"reward_weights": [1, 0.5]}}', True), ('{"task": {"reward_weights": [true]}}', False),
     ('{"rollout": {"enforce_eager": null}}', True), ('{"rollout": {"enforce_eager": true}}', True),
     ('{"rollout": {"enforce_eager": 1}}', False), ('{"steps": 2.5}', False), ('{"steps": "3"}', True),
@@ -476,6 +476,13 @@ def test_each_config_value_is_taken_or_refused_as_its_flags_type(tmp_path, text,
     else:
         with pytest.raises(ConfigError, match=r"--config: .* is not "):
             launch.parse(GRPOArgs, ["--config", str(f)], "")
+
+
+def test_a_list_flags_one_item_may_be_written_bare_in_a_config_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("task:\n  reward: m:f\n  reward_weights: 0.5\n")  # as --task.reward m:f --task.reward-weights 0.5
+    a = launch.parse(GRPOArgs, ["--config", str(f)], "")
+    assert (a.task.reward, a.task.reward_weights) == (["m:f"], [0.5])
 
 
 def test_config_may_be_the_last_flag_and_a_key_given_once_is_taken(tmp_path):
