@@ -93,6 +93,9 @@ class PPOFlags:
         _positive("--ppo.num-prompts-per-step", p.num_prompts_per_step)
         _positive("--ppo.num-generations-per-prompt", p.num_generations_per_prompt)
         _positive("--ppo.critic-ppo-epochs", p.critic_ppo_epochs)
+        if p.critic_warmup_steps >= self.steps:  # the policy would end as it started
+            raise ConfigError(f"--ppo.critic-warmup-steps={p.critic_warmup_steps} leaves none of --steps={self.steps} "
+                              "to the policy: give fewer warmup steps or more steps")
         if not 1 <= a.min_groups_for_streaming_train <= p.num_prompts_per_step:
             raise ConfigError(f"--async-rl.min-groups-for-streaming-train={a.min_groups_for_streaming_train} must be "
                               f"in [1, --ppo.num-prompts-per-step={p.num_prompts_per_step}]")

@@ -242,6 +242,7 @@ BOUNDS = [
     (PPOArgs, "ppo.value_lr", [1e-12], [0.0], 2, {}),
     (PPOArgs, "ppo.weight_decay", [0.0], [-0.01], 2, {}),
     (PPOArgs, "ppo.critic_ppo_epochs", [1], [0], 2, {}),
+    (PPOArgs, "ppo.critic_warmup_steps", [0, 19], [20], 2, {"steps": 20}),  # one step at least trains the policy
     (PPOArgs, "async_rl.rollout_groups_per_call", [1], [0], 2, {}),
 ]
 
