@@ -418,8 +418,12 @@ def _check_run_dir(args) -> None:
         parent = os.path.dirname(os.path.abspath(parent))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"--log.run-dir={d!r}: {parent!r} is not writable; give a directory you can write")
-    metrics = os.path.join(d, "metrics.jsonl")
-    if (not args.dry_run and not args.checkpoint.resume and not args.log.overwrite and os.path.isfile(metrics)
-            and os.path.getsize(metrics) > 0):
-        raise ConfigError(f"--log.run-dir={d!r} already holds a run ({metrics}); continue it with "
-                          "--checkpoint.resume auto, start over with --log.overwrite, or pick another --log.run-dir")
+    if not args.dry_run and not args.checkpoint.resume and not args.log.overwrite and holds_run(d):
+        raise ConfigError(f"--log.run-dir={d!r} already holds a run ({os.path.join(d, 'metrics.jsonl')}); continue it "
+                          "with --checkpoint.resume auto, start over with --log.overwrite, or pick another --log.run-dir")
+
+
+def holds_run(run_dir: str) -> bool:
+    """Whether a run directory holds a run: a metrics.jsonl with a record in it."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    return os.path.isfile(metrics) and os.path.getsize(metrics) > 0

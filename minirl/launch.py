@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
-from minirl.config import ConfigError
+from minirl.config import ConfigError, holds_run
 from minirl.flags import parse
 from minirl.rollout import check_model
 
@@ -132,11 +132,6 @@ _held: dict[str, object] = {}  # run dir -> its open lock file, kept open (and l
 
 OLD_RUN = ("run.json", "metrics.jsonl", "metrics.jsonl.tmp", "samples.jsonl", "samples.jsonl.tmp", "config.json", "final",
            "final.tmp", "tensorboard", "wandb", "wandb_run_id", "curve.png")
-
-
-def holds_run(run_dir: str) -> bool:
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    return os.path.isfile(metrics) and os.path.getsize(metrics) > 0
 
 
 def identity(run_dir: str) -> dict:

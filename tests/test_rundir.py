@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import ROOT, TORCHRUN_VARS, run
-from minirl import launch
+from minirl import config, launch
 from minirl.config import ConfigError
 from minirl.config_grpo import GRPOArgs
 
@@ -73,9 +73,9 @@ def test_a_second_run_on_a_live_runs_dir_exits_2_and_a_dead_run_leaves_no_lock(t
                               str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
-        while time.time() < deadline and not launch.holds_run(str(tmp_path)):
+        while time.time() < deadline and not config.holds_run(str(tmp_path)):
             time.sleep(0.5)
-        assert launch.holds_run(str(tmp_path)), "the first run never logged a step"
+        assert config.holds_run(str(tmp_path)), "the first run never logged a step"
         before = (tmp_path / "metrics.jsonl").read_text()
         p = run([sys.executable, "-m", "minirl.grpo", *SMALL, "--steps", "2", "--log.run-dir", str(tmp_path),
                  "--log.overwrite"], timeout=120)
