@@ -47,7 +47,7 @@ def check_checkpoint(ckpt: str, flag: str) -> None:
     names = os.listdir(ckpt)
     held = any(n.startswith("step_") for n in names)  # the run's checkpoints/ folder itself
     if "metrics.jsonl" in names or "checkpoints" in names or held:
-        newest = checkpoint.find("auto", ckpt if held else os.path.join(ckpt, "checkpoints"))  # complete, or None
+        newest = (checkpoint.completed(ckpt if held else os.path.join(ckpt, "checkpoints")) or [None])[-1]
         raise ConfigError(f"{flag}={ckpt!r} is {'a folder of checkpoints' if held else 'a run directory'}; give "
                           "one of its checkpoints ("
                           + (f"the newest is {newest}" if newest else "it has none")
