@@ -282,8 +282,10 @@ def device_mesh(device_type: str, size: int):
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    backbone = getattr(model, "model", None) or getattr(model, "backbone")
-    return list(backbone.layers)
+    """The model's decoder blocks, in order: its modules of the classes transformers keeps whole
+    (`_no_split_modules`: Qwen2DecoderLayer, GPT2Block, ...; a critic's are its backbone's)."""
+    whole = getattr(model, "_no_split_modules", None) or getattr(model.model, "_no_split_modules", None) or ()
+    return [m for m in model.modules() if any(c.__name__ in whole for c in type(m).__mro__)]  # FSDP2 subclasses it
 
 
 def full_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None):

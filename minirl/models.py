@@ -115,12 +115,17 @@ def load_tokenizer(path: str):
 
 
 def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
-    """A transformers `Auto*` class's model from `path`, for training: no KV cache (with one, packed rows
-    would mix) and no progress bar per load on every rank."""
+    """A transformers `Auto*` class's model from `path`, for training: no dropout (the engine samples
+    without it, and pi_old must be that policy: TRL's and OpenRLHF's disable_dropout), no KV cache (with
+    one, packed rows would mix) and no progress bar per load on every rank."""
     import transformers
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    model = getattr(transformers, auto).from_pretrained(path, dtype=dtype)
+    config = transformers.AutoConfig.from_pretrained(path)
+    for key, value in config.to_dict().items():  # GPT-2's resid_pdrop, Qwen2's attention_dropout, ...
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    model = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype)
     model.config.use_cache = False
     return model
 

@@ -38,6 +38,20 @@ def tiny_path():
     return resolve_path(ModelConfig())
 
 
+@pytest.fixture(scope="session")
+def gpt2_path(tiny_path, tmp_path_factory):
+    """A tiny random GPT-2 with the tiny model's tokenizer: another family's names and layout (`transformer.h`
+    blocks of Conv1D layers, learned positions, dropout on by default, the head tied to `transformer.wte`)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    tok, out = AutoTokenizer.from_pretrained(tiny_path), str(tmp_path_factory.mktemp("gpt2"))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256,
+                                   bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def prepare_smollm2():
     """recipes/prepare_smollm2.py as a module of its own (a fresh one each call: a test may replace its parts)."""
     import importlib.util

@@ -423,3 +423,26 @@ def test_bf16_compute_logprobs_and_values_come_out_of_their_heads_in_float32(tin
         monkeypatch.setattr(models, "_float_mm", lambda a, b: (a @ b).float())  # a bf16 result, cast after
         err_old = (models.token_logprobs(policy, ids) - target).abs().mean()
     assert err_new < err_old, (err_new, err_old)
+
+
+def test_another_familys_blocks_are_sharded_and_the_trainer_runs_without_its_dropout(tiny_path, gpt2_path, world):
+    """A model of other names (GPT-2: `transformer.h` of GPT2Block, dropout 0.1 by default) loads as the Qwen2s do:
+    each block sharded (and checkpointed) on its own, found by transformers' `_no_split_modules` (the loader
+    looked for `model.layers` and failed on GPT-2), and no dropout in train() (the engine samples without it:
+    pi_old and the ratio were of a policy never sampled, 0.04 nats off the engine's logprobs at the same weights)."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    for path, block in ((gpt2_path, GPT2Block), (tiny_path, Qwen2DecoderLayer)):
+        for kind in ("policy", "value"):
+            model = models.sharded(path, kind, world, "float32", checkpointing=True)
+            blocks = dist.decoder_blocks(model)
+            assert len(blocks) == 2 and all(isinstance(b, block) and b.forward.__name__ == "run" for b in blocks)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model in (models.load_policy(gpt2_path), models.load_value(gpt2_path)):
+        assert all(v == 0.0 for k, v in model.config.to_dict().items() if "pdrop" in k)
+        model.train()
+        with torch.no_grad():
+            out = [model(input_ids=ids) for _ in range(2)]
+        first, second = (o if torch.is_tensor(o) else o.logits for o in out)
+        assert torch.equal(first, second)
+    assert json.load(open(os.path.join(gpt2_path, "config.json")))["resid_pdrop"] == 0.1  # the folder keeps its own
