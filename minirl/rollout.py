@@ -40,7 +40,7 @@ def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag
     `hf`: the model's config.json, when the caller has it already (the dry run)."""
     if hf is None:
         with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
+            hf = with_sizes(json.load(f))
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     limit = hf.get("max_position_embeddings")
@@ -62,6 +62,31 @@ def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag
         if cfg.kv_cache_gib > 0.5 * have:
             raise ConfigError(f"--rollout.kv-cache-gib={cfg.kv_cache_gib} is over half of this machine's "
                               f"{have:.0f} GiB; every engine on the machine reserves it. Try 1")
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def with_sizes(hf: dict) -> dict:
+    """A config.json with its model's sizes also under Llama's names, as transformers reads them (GPT-2's
+    `n_head` is num_attention_heads; its unset MLP width is 4 x hidden); others left unset stay absent."""
+    if "text_config" in hf:  # Gemma 3 from 4B on, Gemma 3n and 4: an image encoder beside the language model
+        raise ConfigError(f"--model.path is a vision-language model ({(hf.get('architectures') or [''])[0]}, its "
+                          "language model's settings under text_config); minirl trains text-only causal language "
+                          "models (Gemma 3's text-only one is the 1B)")
+    if "model_type" not in hf:  # nothing to read it by (a real run has refused it: models.check_folder)
+        return hf
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.for_model(**hf)
+    except (ValueError, TypeError) as e:  # an unknown model_type (checked before a real run: models.check_folder)
+        raise ConfigError(f"--model.path: this transformers cannot read its config.json ({e})") from e
+    sizes = {k: getattr(config, k) for k in SIZES if getattr(config, k, None) is not None}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in sizes]
+    if missing:
+        raise ConfigError(f"--model.path: its config.json sets no {', '.join(missing)} that transformers can read")
+    return {"intermediate_size": 4 * sizes["hidden_size"], **hf, **sizes}
 
 
 @contextlib.contextmanager
@@ -198,28 +223,35 @@ class Engine:
             finish_reasons=[c.finish_reason for c in comp])
 
     # ---- weights ----
+    def _tied(self) -> dict[str, str]:
+        """{head: embedding} of the weights the model ties, by transformers' own map of its class
+        (GPT-2's lm_head is transformer.wte); {} when its config unties them."""
+        import transformers
+        config = transformers.AutoConfig.from_pretrained(self.path)
+        keys = getattr(getattr(transformers, (config.architectures or [""])[0], None), "_tied_weights_keys", None)
+        if not config.tie_word_embeddings:
+            return {}
+        return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
+
     def load_weights(self, named_tensors) -> int:
         """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
         if self.state == "asleep":
             raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
-        n = 0
-        with open(os.path.join(self.path, "config.json")) as f:
-            tied = json.load(f).get("tie_word_embeddings", False)
+        n, tied = 0, self._tied()
 
         def counted():
             nonlocal n
-            sent_head, embed = False, None
+            sent = {}
             for name, t in named_tensors:
                 n += 1
-                sent_head |= name == "lm_head.weight"
-                if name == "model.embed_tokens.weight":
-                    embed = t
+                sent[name] = t if name in tied.values() else None
                 yield name, t
             # Hazard (vllm 0.32, CPU): with tied embeddings HF has no lm_head parameter, and a layerwise
             # reload that hands ParallelLMHead nothing restores its OLD packed weights, so logits come
             # from stale weights (seen: 18 nats off). Sending the head explicitly keeps it in step.
-            if tied and not sent_head and embed is not None:
-                yield "lm_head.weight", embed
+            for head, embedding in tied.items():
+                if head not in sent and sent.get(embedding) is not None:
+                    yield head, sent[embedding]
 
         # In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the iterator is consumed in this
         # process, tensor by tensor, by the worker's model runner (vllm 0.32 gpu_worker.Worker.reload_weights;

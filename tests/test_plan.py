@@ -430,3 +430,27 @@ def test_the_plan_says_the_model_size_the_token_budget_and_the_host_memory(tmp_p
     args.dry_run_world_size, args.grid.gpu_placement = 0, "colocated"
     args.ppo.num_prompts_per_step = args.async_rl.min_groups_for_streaming_train = 8
     assert [x.split(":")[0] for x in plan.dry_run(args)[1:]] == ["rank 0"]
+
+
+def test_a_config_of_other_names_is_read_as_transformers_reads_it_and_a_vision_language_one_is_refused(gpt2_path,
+                                                                                                      tmp_path):
+    """GPT-2's config.json names its sizes n_embd, n_head, n_layer and n_positions and leaves its MLP width unset
+    (4 x hidden): the plan and the engine's check read them through transformers (both read Llama's names, and
+    failed with a KeyError). A vision-language model (Gemma 3 from 4B on: its language model's settings under
+    text_config, also a KeyError) is refused in one line, by the dry run and the run alike."""
+    from minirl.config import ConfigError, RolloutConfig
+    from minirl.rollout import check_model
+    args = tyro.cli(GRPOArgs, args=["--model.path", gpt2_path, "--log.run-dir", str(tmp_path / "run")])
+    hf, _ = plan.model_config(args.model)
+    assert [hf[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                            "max_position_embeddings")] == [64, 2, 2, 256, 256]
+    assert any(line.startswith("rank 0: role=both") for line in plan.dry_run(args))
+    check_model(gpt2_path, RolloutConfig(), 40, device_type="cpu")
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text('{"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], '
+                                       '"text_config": {"hidden_size": 64, "num_attention_heads": 2}}')
+    args.model.path = str(gemma)
+    for check in (lambda: plan.dry_run(args), lambda: check_model(str(gemma), RolloutConfig(), 40, device_type="cpu")):
+        with pytest.raises(ConfigError, match=r"vision-language model \(Gemma3ForConditionalGeneration"):
+            check()

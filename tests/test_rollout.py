@@ -324,12 +324,18 @@ class ReloadRecorder:
         self.loaded.append([name for name, _ in kwargs["weights_iterator"]])
 
 
-@pytest.mark.parametrize("config,head", [({"tie_word_embeddings": True}, True), ({"tie_word_embeddings": False}, False),
-                                         ({}, False)])
-def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path, tmp_path, config, head):
-    """vLLM's in-place reload restores a tied head's old packed weights unless the head is sent: a model with tied
-    embeddings (and only such a model; untied is the default) gets the embedding as `lm_head.weight` after its
-    parameters, unless the head came with them. The count is of the parameters handed in; each load counts once."""
+@pytest.mark.parametrize("config,embedding,head", [
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+     "model.embed_tokens.weight", True),
+    ({"model_type": "qwen2", "tie_word_embeddings": True}, "model.embed_tokens.weight", True),  # no class: Llama's names
+    ({"model_type": "qwen2", "tie_word_embeddings": False}, "model.embed_tokens.weight", False),
+    ({"model_type": "qwen2"}, "model.embed_tokens.weight", False),  # Qwen2's default: untied
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "transformer.wte.weight", True)])  # tied by default
+def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path, tmp_path, config, embedding, head):
+    """vLLM's in-place reload restores a tied head's old packed weights unless the head is sent: a model that ties
+    its embeddings (as transformers reads its config: GPT-2 ties by default, Qwen2 does not) gets the embedding
+    transformers ties the head to (`_tied_weights_keys`) as `lm_head.weight` after its parameters, unless the head
+    came with them. The count is of the parameters handed in; each load counts once."""
     import json
 
     import vllm
@@ -339,11 +345,11 @@ def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path
     engine = Engine(str(tmp_path), RolloutConfig(), 32, torch.device("cpu"))
     engine.llm = ReloadRecorder()
     embed, norm = torch.zeros(4, 2), torch.ones(2)
-    assert engine.load_weights(iter([("model.embed_tokens.weight", embed), ("model.norm.weight", norm)])) == 2
-    assert engine.load_weights(iter([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])) == 2
+    assert engine.load_weights(iter([(embedding, embed), ("model.norm.weight", norm)])) == 2
+    assert engine.load_weights(iter([(embedding, embed), ("lm_head.weight", embed)])) == 2
     assert engine.load_weights(iter([("model.norm.weight", norm)])) == 1
-    sent = ["model.embed_tokens.weight", "model.norm.weight"]
-    assert engine.llm.loaded == [sent + ["lm_head.weight"] * head, ["model.embed_tokens.weight", "lm_head.weight"],
+    sent = [embedding, "model.norm.weight"]
+    assert engine.llm.loaded == [sent + ["lm_head.weight"] * head, [embedding, "lm_head.weight"],
                                  ["model.norm.weight"]]
     assert engine.loads == 3 and list(engine.events) == ["load_weights:2", "load_weights:2", "load_weights:1"]
 

@@ -24,6 +24,7 @@ from minirl import dist, models, rewards
 from minirl.config import TINY, ConfigError
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
+from minirl.rollout import check_model, with_sizes
 
 GIB = 2**30
 BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack
@@ -38,7 +39,6 @@ def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
     rewards.scorer(args.task)
     hf, source = model_config(args.model)
     if hf is not None:
-        from minirl.rollout import check_model
         check_model(source, args.rollout, args.rollout.max_model_len, device_type=device_type, hf=hf)
     lines = plan(args, world, device_type, hf, source)
     if int(os.environ.get("RANK", 0)) == 0:
@@ -69,7 +69,7 @@ def model_config(cfg) -> tuple[dict | None, str]:
                               f"or `{TINY}`")
         return None, cfg.path
     with open(found) as f:
-        return json.load(f), found
+        return with_sizes(json.load(f)), found
 
 
 def parameter_counts(hf: dict) -> dict[str, int]:
