@@ -127,6 +127,10 @@ def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
             setattr(config, key, 0.0)
     model = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype)
     model.config.use_cache = False
+    # vLLM 0.32 serves some families (GPT-NeoX, OLMo 2, Phi) through its Transformers backend, which rewrites
+    # their transformers base class in this process as the engine is built: its __call__ then reads
+    # `do_not_compile`, which only vLLM's own instances are given. The trainer's run as written.
+    model.base_model.do_not_compile = True
     return model
 
 

@@ -38,18 +38,34 @@ def tiny_path():
     return resolve_path(ModelConfig())
 
 
-@pytest.fixture(scope="session")
-def gpt2_path(tiny_path, tmp_path_factory):
-    """A tiny random GPT-2 with the tiny model's tokenizer: another family's names and layout (`transformer.h`
-    blocks of Conv1D layers, learned positions, dropout on by default, the head tied to `transformer.wte`)."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-    tok, out = AutoTokenizer.from_pretrained(tiny_path), str(tmp_path_factory.mktemp("gpt2"))
+def tiny_family(tok_path: str, out: str, config) -> str:
+    """A tiny random model of `config`'s family with the tiny model's tokenizer, saved to `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    config.vocab_size, config.bos_token_id, config.eos_token_id = len(tok), tok.eos_token_id, tok.eos_token_id
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256,
-                                   bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(out)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_path(tiny_path, tmp_path_factory):
+    """GPT-2: another family's names and layout (`transformer.h` blocks of Conv1D layers, learned positions,
+    dropout on by default, the head tied to `transformer.wte`)."""
+    from transformers import GPT2Config
+    return tiny_family(tiny_path, str(tmp_path_factory.mktemp("gpt2")),
+                       GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=256))
+
+
+@pytest.fixture(scope="session")
+def neox_path(tiny_path, tmp_path_factory):
+    """GPT-NeoX (Pythia's family), which vLLM serves through its Transformers backend."""
+    from transformers import GPTNeoXConfig
+    return tiny_family(tiny_path, str(tmp_path_factory.mktemp("neox")),
+                       GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                     max_position_embeddings=256))
 
 
 def prepare_smollm2():

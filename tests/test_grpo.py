@@ -189,14 +189,17 @@ def test_minibatches_step_several_times_but_sync_once_per_batch(tmp_path):
     assert [r["weight_syncs"] for r in recs] == [1, 1]
 
 
-def test_another_family_trains_and_its_engine_stays_in_the_trainers_step(gpt2_path, tmp_path):
-    """A GPT-2 (tests/conftest.py: other names, a head tied to `transformer.wte`) through two GRPO steps of two
-    optimizer steps each: the engine's logprobs of each batch are the trainer's pi_old of it to float32 rounding,
-    the second batch's after a weight sync of an update. The sync sent a tied head only under Llama's names, so
-    vLLM kept GPT-2's old head (0.19 nats off after one update)."""
+@pytest.mark.parametrize("family", ["gpt2_path", "neox_path"])
+def test_another_family_trains_and_its_engine_stays_in_the_trainers_step(family, request, tmp_path):
+    """Other families (tests/conftest.py) through two GRPO steps of two optimizer steps each: the engine's logprobs
+    of each batch are the trainer's pi_old of it to float32 rounding, the second batch's after a weight sync of an
+    update. GPT-2: the sync sent a tied head only under Llama's names, so vLLM kept its old head (0.19 nats off
+    after one update). GPT-NeoX: vLLM's Transformers backend rewrote its base class as the engine was built, and
+    the trainer's forward failed on an attribute only vLLM's instances have."""
+    model_path = request.getfixturevalue(family)
     reward = tmp_path / "distinct.py"
     reward.write_text("def distinct(completion, answer):\n    return len(set(completion)) / 8\n")  # differs by row
-    p = run([sys.executable, "-m", "minirl.grpo", "--model.path", gpt2_path, "--task.reward", f"{reward}:distinct",
+    p = run([sys.executable, "-m", "minirl.grpo", "--model.path", model_path, "--task.reward", f"{reward}:distinct",
              "--steps", "2", "--rl.batch-per-replica", "16", "--rl.group-size", "4", "--rl.mini-batch-per-replica",
              "8", "--rl.lr", "1e-2", "--log.eval-every", "0", "--log.run-dir", str(tmp_path / "run")])
     assert p.returncode == 0, p.stderr[-2000:]
