@@ -235,11 +235,12 @@ class Engine:
     # ---- weights ----
     def _tied(self) -> dict[str, str]:
         """{head: embedding} of the weights the model ties, by transformers' own map of its class
-        (GPT-2's lm_head is transformer.wte); {} when its config unties them."""
+        (GPT-2's lm_head is transformer.wte); {} when its config unties them, or when the engine's model
+        has no head of its own (vLLM's Gemma 2 computes its logits with the embedding)."""
         import transformers
         config = transformers.AutoConfig.from_pretrained(self.path)
         keys = getattr(getattr(transformers, (config.architectures or [""])[0], None), "_tied_weights_keys", None)
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings or not all(self.llm.apply_model(lambda model: hasattr(model, "lm_head"))):
             return {}
         return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 

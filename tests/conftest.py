@@ -68,6 +68,15 @@ def neox_path(tiny_path, tmp_path_factory):
                                      max_position_embeddings=256))
 
 
+@pytest.fixture(scope="session")
+def gemma2_path(tiny_path, tmp_path_factory):
+    """Gemma 2: logits soft-capped after the head (the full-logits path), which vLLM computes with the embedding."""
+    from transformers import Gemma2Config
+    return tiny_family(tiny_path, str(tmp_path_factory.mktemp("gemma2")),
+                       Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=32, max_position_embeddings=256, sliding_window=64))
+
+
 def prepare_smollm2():
     """recipes/prepare_smollm2.py as a module of its own (a fresh one each call: a test may replace its parts)."""
     import importlib.util

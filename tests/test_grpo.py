@@ -189,13 +189,14 @@ def test_minibatches_step_several_times_but_sync_once_per_batch(tmp_path):
     assert [r["weight_syncs"] for r in recs] == [1, 1]
 
 
-@pytest.mark.parametrize("family", ["gpt2_path", "neox_path"])
+@pytest.mark.parametrize("family", ["gpt2_path", "neox_path", "gemma2_path"])
 def test_another_family_trains_and_its_engine_stays_in_the_trainers_step(family, request, tmp_path):
     """Other families (tests/conftest.py) through two GRPO steps of two optimizer steps each: the engine's logprobs
     of each batch are the trainer's pi_old of it to float32 rounding, the second batch's after a weight sync of an
     update. GPT-2: the sync sent a tied head only under Llama's names, so vLLM kept its old head (0.19 nats off
     after one update). GPT-NeoX: vLLM's Transformers backend rewrote its base class as the engine was built, and
-    the trainer's forward failed on an attribute only vLLM's instances have."""
+    the trainer's forward failed on an attribute only vLLM's instances have. Gemma 2: the sync sent a head its
+    vLLM model does not have, and the first one failed."""
     model_path = request.getfixturevalue(family)
     reward = tmp_path / "distinct.py"
     reward.write_text("def distinct(completion, answer):\n    return len(set(completion)) / 8\n")  # differs by row

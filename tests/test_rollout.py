@@ -261,7 +261,7 @@ def test_cpu_and_cuda_extras_pin_one_vllm_release_and_rollout_uses_public_calls(
     assert len(pins) == 1, extras
     src = open(os.path.join(ROOT, "minirl", "rollout.py")).read()
     used = set(re.findall(r"self\.llm\.(\w+)", src))
-    assert used == {"generate", "collective_rpc", "sleep", "wake_up", "llm_engine"}, used
+    assert used == {"generate", "collective_rpc", "apply_model", "sleep", "wake_up", "llm_engine"}, used
     assert src.count("self.llm.llm_engine") == 1  # Engine.close: vLLM 0.32 has no public shutdown
 
 
@@ -323,6 +323,9 @@ class ReloadRecorder:
         assert method == "reload_weights"
         self.loaded.append([name for name, _ in kwargs["weights_iterator"]])
 
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
 
 @pytest.mark.parametrize("config,embedding,head", [
     ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
@@ -330,12 +333,14 @@ class ReloadRecorder:
     ({"model_type": "qwen2", "tie_word_embeddings": True}, "model.embed_tokens.weight", True),  # no class: Llama's names
     ({"model_type": "qwen2", "tie_word_embeddings": False}, "model.embed_tokens.weight", False),
     ({"model_type": "qwen2"}, "model.embed_tokens.weight", False),  # Qwen2's default: untied
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "transformer.wte.weight", True)])  # tied by default
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "transformer.wte.weight", True),  # tied by default
+    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model.embed_tokens.weight", False)])
 def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path, tmp_path, config, embedding, head):
     """vLLM's in-place reload restores a tied head's old packed weights unless the head is sent: a model that ties
     its embeddings (as transformers reads its config: GPT-2 ties by default, Qwen2 does not) gets the embedding
     transformers ties the head to (`_tied_weights_keys`) as `lm_head.weight` after its parameters, unless the head
-    came with them. The count is of the parameters handed in; each load counts once."""
+    came with them or the engine's model has none (vLLM's Gemma 2 refused the name at the first sync). The count
+    is of the parameters handed in; each load counts once."""
     import json
 
     import vllm
@@ -344,6 +349,9 @@ def test_a_tied_model_gets_its_head_sent_as_the_embedding(monkeypatch, tiny_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     engine = Engine(str(tmp_path), RolloutConfig(), 32, torch.device("cpu"))
     engine.llm = ReloadRecorder()
+    engine.llm.model = torch.nn.Module()  # the engine's model: vLLM's Gemma 2 has no head (its logits are the embedding's)
+    if config["model_type"] != "gemma2":
+        engine.llm.model.lm_head = torch.nn.Linear(2, 4)
     embed, norm = torch.zeros(4, 2), torch.ones(2)
     assert engine.load_weights(iter([(embedding, embed), ("model.norm.weight", norm)])) == 2
     assert engine.load_weights(iter([(embedding, embed), ("lm_head.weight", embed)])) == 2
