@@ -17,6 +17,7 @@ the same in the CPU and CUDA wheels; the one private call is `close()`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -233,10 +234,12 @@ class Engine:
             finish_reasons=[c.finish_reason for c in comp])
 
     # ---- weights ----
+    @functools.cached_property
     def _tied(self) -> dict[str, str]:
         """{head: embedding} of the weights the model ties, by transformers' own map of its class
         (GPT-2's lm_head is transformer.wte); {} when its config unties them, or when the engine's model
-        has no head of its own (vLLM's Gemma 2 computes its logits with the embedding)."""
+        has no head of its own (vLLM's Gemma 2 computes its logits with the embedding). Read at the first
+        weight sync, once: the model's config and the engine's model do not change."""
         import transformers
         config = transformers.AutoConfig.from_pretrained(self.path)
         keys = getattr(getattr(transformers, (config.architectures or [""])[0], None), "_tied_weights_keys", None)
@@ -248,7 +251,7 @@ class Engine:
         """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
         if self.state == "asleep":
             raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
-        n, tied = 0, self._tied()
+        n, tied = 0, self._tied
 
         def counted():
             nonlocal n
