@@ -32,7 +32,7 @@ from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
 from minirl.config import ConfigError, holds_run
 from minirl.flags import parse
-from minirl.rollout import check_model, rewrites_classes
+from minirl.rollout import check_model
 
 
 @dataclass
@@ -70,10 +70,6 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     path = models.resolve_path(args.model)
     ready = Ready(args, path, None, None, None)
     check_model(path, args.rollout, args.rollout.max_model_len, head_dim_flag="--model.tiny.num-heads")
-    if cls.LOOP == "ppo" and args.grid.gpu_placement == "colocated" and (arch := rewrites_classes(path)):
-        raise ConfigError(f"--grid.gpu-placement colocated: vLLM serves {arch} through its "
-                          "Transformers backend, which rewrites that model's classes in the engine's process, where "
-                          "colocated PPO then builds its trainer; use --grid.gpu-placement disaggregated, or minirl.grpo")
     ready.tok = models.load_tokenizer(path)
     ready.task = tasks.make_task(args.task, args.seed, ready.tok, args.rollout.max_prompt_tokens,
                                  bool(args.log.eval_every), args.steps)  # every prompt and reward function

@@ -129,7 +129,8 @@ def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     model.config.use_cache = False
     # vLLM 0.32 serves some families (GPT-NeoX, OLMo 2, Phi) through its Transformers backend, which rewrites
     # their transformers base class in this process as the engine is built: its __call__ then reads
-    # `do_not_compile`, which only vLLM's own instances are given. The trainer's run as written.
+    # `do_not_compile`, which only vLLM's own instances are given, and an instance made after that fails (so
+    # every loop builds its trainer first). The trainer's run as written.
     model.base_model.do_not_compile = True
     return model
 

@@ -321,11 +321,12 @@ class EngineGroups:
 
     colocated = True
 
-    def __init__(self, args: PPOArgs, world: dist.World, engine, task, tok):
-        self.args, self.world, self.engine, self.task, self.tok = args, world, engine, task, tok
-        self.handoff = None
+    def __init__(self, args: PPOArgs, world: dist.World, build_engine, task, tok):
+        self.args, self.world, self.build_engine, self.task, self.tok = args, world, build_engine, task, tok
+        self.engine = self.handoff = None
 
     def start(self, step: int, policy, offload, load=None, say=print, write=None, logged_eval=-1) -> None:
+        self.engine = self.build_engine()  # beside the trainer, built first as in GRPO (models._pretrained)
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]
@@ -377,7 +378,8 @@ class EngineGroups:
             self.handoff.cleanup()
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 # ---- shared by both placements ----

@@ -12,6 +12,7 @@ placement.py's.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -38,10 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.grid.gpu_placement == "colocated":
         world = dist.init()
         dist.seed_everything(args.seed)
-        engine = Engine(ready.path, args.rollout, args.rollout.max_model_len, world.engine_device,
-                        dtype=args.model.dtype, seed=args.seed, sleep_mode=args.ppo.colocated_offload,
-                        log_file=engine_log(args.log, world.rank, world.world_size > 1))
-        train(ready, world, EngineGroups(args, world, engine, ready.task, ready.tok))
+        engine = functools.partial(Engine, ready.path, args.rollout, args.rollout.max_model_len, world.engine_device,
+                                   dtype=args.model.dtype, seed=args.seed, sleep_mode=args.ppo.colocated_offload,
+                                   log_file=engine_log(args.log, world.rank, world.world_size > 1))
+        train(ready, world, EngineGroups(args, world, engine, ready.task, ready.tok))  # built after the trainer
         return
     roles, world, store = refit.init_disaggregated(args.grid.rollout_ranks)
     dist.seed_everything(args.seed)

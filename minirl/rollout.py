@@ -90,16 +90,6 @@ def with_sizes(hf: dict) -> dict:
     return {"intermediate_size": 4 * sizes["hidden_size"], **hf, **sizes}
 
 
-def rewrites_classes(path: str) -> str:
-    """The model's architecture when vLLM serves it through its Transformers backend (GPT-NeoX, OLMo 2, Phi in
-    0.32), which rewrites that model's transformers classes in the engine's process; else ''."""
-    from vllm import ModelRegistry
-    with open(os.path.join(path, "config.json")) as f:
-        arch = (json.load(f).get("architectures") or [""])[0]
-    served = ModelRegistry.models.get(arch)
-    return arch if served is None or served.module_name.endswith(".transformers") else ""
-
-
 @contextlib.contextmanager
 def _engine_output(log_file: str | None):
     """The engine's start-up output (vLLM's logger, Python warnings, and what its native libraries

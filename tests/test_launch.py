@@ -659,21 +659,6 @@ def test_the_engines_context_is_the_prompt_budget_plus_the_completion_cap(tmp_pa
                                     "--log.run-dir", str(tmp_path)], None)
 
 
-def test_a_model_vllm_serves_by_rewriting_its_classes_is_refused_colocated_ppo_only(tmp_path, neox_path, monkeypatch):
-    """vLLM serves GPT-NeoX through its Transformers backend, which rewrites the model's transformers classes in
-    the engine's process; colocated PPO builds its trainer there after the engine, and failed at the first load
-    in vLLM's config assertion. Refused before anything is built; disaggregated PPO and GRPO take it, and a model
-    vLLM serves natively runs colocated."""
-    from minirl.config_ppo import PPOArgs
-    ppo = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "16", "--log.run-dir"]
-    with pytest.raises(ConfigError, match="vLLM serves GPTNeoXForCausalLM through its Transformers backend"):
-        launch.preflight(PPOArgs, ["--model.path", neox_path, *ppo, str(tmp_path / "a")], None)
-    assert launch.preflight(GRPOArgs, ["--model.path", neox_path, "--log.run-dir", str(tmp_path / "c")], None)
-    assert launch.preflight(PPOArgs, [*ppo, str(tmp_path / "d")], None)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # disaggregated: one rollout rank and one train rank
-    assert launch.preflight(PPOArgs, ["--model.path", neox_path, "--log.run-dir", str(tmp_path / "b")], None)
-
-
 def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(tmp_path, monkeypatch, capsys):
     """`--dry-run` is the tools' one door: the plan is printed and no run comes back; the rehearsal (its child
     process stood in for here) starts only under --rehearse, and only on rank 0."""

@@ -432,7 +432,7 @@ def colocated_source(args, world, monkeypatch):
     args.log.eval_every = 0
     engine = RecordingEngine("unused", args.rollout, 64, world.device, sleep_mode=True)
     engine.close = lambda: None  # no vLLM behind it
-    source = placement.EngineGroups(args, world, engine, None, None)  # the stand-in generate makes the groups
+    source = placement.EngineGroups(args, world, lambda: engine, None, None)  # the stand-in generate makes the groups
     G = args.ppo.num_generations_per_prompt
 
     def generate(engine, task, tok, indices, step, args, version):
@@ -762,6 +762,21 @@ def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocate
     assert p.returncode == 0 and f"step_0000000{2 if point == 'sigterm' else 1}" in p.stdout
     assert [strip(r) for r in steps_logged(colocated_straight)] == [strip(r) for r in steps_logged(tmp_path)]
     assert everything(tmp_path) == everything(colocated_straight)
+
+
+@e2e
+def test_colocated_ppo_trains_a_family_vllm_serves_by_rewriting_its_classes(neox_path, tmp_path):
+    """vLLM serves GPT-NeoX through its Transformers backend, which rewrites the model's transformers classes in
+    the engine's process as the engine is built. Colocated PPO built its engine first, and its trainer's first
+    load then failed in vLLM's config assertion; the trainer is built first now, as in GRPO, and the engine's
+    logprobs stay the trainer's pi_old to float32 rounding after an update."""
+    reward = tmp_path / "distinct.py"
+    reward.write_text("def distinct(completion, answer):\n    return len(set(completion)) / 8\n")  # differs by row
+    p = ppo(1, tmp_path / "run", "--model.path", neox_path, "--task.reward", f"{reward}:distinct", "--steps", "2",
+            "--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "8", "--ppo.lr", "1e-2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    first, second = steps_logged(tmp_path / "run")
+    assert first["grad_norm"] > 0 and first["logprob_gap"] < 1e-5 and second["logprob_gap"] < 1e-5
 
 
 @e2e

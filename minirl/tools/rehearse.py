@@ -163,7 +163,7 @@ def _ppo(args, world, cfg, chunks, ppo):
     offload, resident = ppo.offloaders(policy, policy_opt, value, value_opt, ref)
     colocated = args.grid.gpu_placement == "colocated"
     if colocated:  # the real EngineGroups hand-off, around an engine that is not there
-        source = EngineGroups(args, world, _Engine(), None, None)
+        source = EngineGroups(args, world, _Engine, None, None)
         source.start(0, policy, resident)
         publish = lambda: source.refit(1, policy)  # noqa: E731
     else:
