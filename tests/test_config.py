@@ -295,7 +295,8 @@ def test_a_refused_size_suggests_one_that_runs():
                                                     "colocated with full batch: --async-rl.min-groups-for-streaming-"
                                                     "train=6)")):  # not "in [1, 0]", nor full batch without its flag
         _set(p, "grid.rollout_ranks", 1).validate(1)
-    with pytest.raises(ConfigError, match=re.escape("=6 must split evenly over 4 train rank(s); use a multiple of 4")):
+    with pytest.raises(ConfigError, match=re.escape("=6 must split evenly over 4 train rank(s); use a multiple of 4, "
+                                                    "or --grid.rollout-ranks 3 (3 train rank(s))")):  # the fewest
         _set(p, "grid.rollout_ranks", 2).validate(6)
 
 
