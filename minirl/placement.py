@@ -326,7 +326,8 @@ class EngineGroups:
         self.engine = self.handoff = None
 
     def start(self, step: int, policy, offload, load=None, say=print, write=None, logged_eval=-1) -> None:
-        self.engine = self.build_engine()  # beside the trainer, built first as in GRPO (models._pretrained)
+        say("building the vLLM engine ...")  # beside the trainer, built first as in GRPO (models._pretrained)
+        self.engine = self.build_engine()
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
         dtype = models.DTYPES[self.args.model.dtype]
