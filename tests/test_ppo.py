@@ -524,6 +524,23 @@ def test_a_failing_colocated_run_puts_its_engine_to_sleep_closes_it_and_raises_i
     assert engine.log[-2:] == ["wake:kv_cache", "sleep:1"] and engine.state == "asleep" and closed == [1]
 
 
+def test_a_colocated_engine_that_fails_to_build_after_the_trainer_raises_its_own_error(tiny_path, world, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """B24 at start-up: colocated PPO builds its engine after the trainer's models (as GRPO does); when that
+    build fails (vLLM's memory check, say), the build's error is raised, and the clean-up, with no engine to
+    sleep or close, reports no failure of its own."""
+    args = small_ppo_args(tmp_path, steps=2)
+    source, _ = colocated_source(args, world, monkeypatch)
+
+    def out_of_memory():
+        raise ValueError("Free memory on device is less than desired GPU memory utilization")
+
+    source.build_engine = out_of_memory
+    with pytest.raises(ValueError, match="Free memory on device"):
+        train_in_process(args, tiny_path, world, source)
+    assert source.engine is None and "also failed" not in capsys.readouterr().err
+
+
 def test_a_resumed_colocated_run_sleeps_the_engine_loads_then_publishes_before_sampling(tiny_path, world, tmp_path,
                                                                                        monkeypatch):
     """B25 in PPO's colocated placement: the engine sleeps before the checkpoint is loaded, and the
