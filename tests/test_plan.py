@@ -167,13 +167,29 @@ def test_the_parameter_count_is_transformers_own_for_the_model(shape):
     grouped-query or not, tied head or not (untied where config.json does not say), a head_dim of its own."""
     import torch
     import transformers
-    hf = {**QWEN2, **shape}
+    hf = {"model_type": "qwen2", **QWEN2, **shape}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**hf))
     total = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
     block = sum(p.numel() for p in model.model.layers[0].parameters())
     n = plan.parameter_counts(hf)
     assert (n["block"], n["total"], n["root"]) == (block, total, total - hf["num_hidden_layers"] * block)
+
+
+@pytest.mark.parametrize("family", ["gpt2_path", "neox_path", "gemma2_path"])
+def test_another_familys_parameters_are_counted_as_its_folder_holds_them(family, request):
+    """The plan counted every model as a Qwen2 (three MLP matrices, q/k/v biases): GPT-2's and GPT-NeoX's
+    two-matrix MLPs a third over (Pythia-1B planned as 1.28B parameters; it has 1.01B). Its count is the
+    folder's weights (a tied head saved once), all and the first block's."""
+    from safetensors import safe_open
+    from minirl.config import ModelConfig
+    path = request.getfixturevalue(family)
+    hf, _ = plan.model_config(ModelConfig(path=path))
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        sizes = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+    first = [k for k in sizes if re.match(r"(transformer\.h|gpt_neox\.layers|model\.layers)\.0\.", k)]
+    n = plan.parameter_counts(hf)
+    assert first and (n["total"], n["block"]) == (sum(sizes.values()), sum(sizes[k] for k in first))
 
 
 def saved_per_token(hf: dict, T: int = 64) -> float:
