@@ -298,6 +298,13 @@ def test_a_refused_size_suggests_one_that_runs():
     with pytest.raises(ConfigError, match=re.escape("=6 must split evenly over 4 train rank(s); use a multiple of 4, "
                                                     "or --grid.rollout-ranks 3 (3 train rank(s))")):  # the fewest
         _set(p, "grid.rollout_ranks", 2).validate(6)
+    with pytest.raises(ConfigError, match=re.escape("use a multiple of 4, or --grid.rollout-ranks 1 (6 train rank(s))")):
+        _set(p, "grid.rollout_ranks", 3).validate(7)
+    with pytest.raises(ConfigError, match=re.escape("--grid.rollout-ranks in [1, 1] (this launch has 2 rank(s)")):
+        _set(p, "grid.rollout_ranks", 2).validate(2)
+    p.grid.gpu_placement, p.async_rl.min_groups_for_streaming_train = "colocated", 6  # full batch on every rank
+    with pytest.raises(ConfigError, match=r"over 4 train rank\(s\); use a multiple of 4$"):  # no rollout ranks to move
+        p.validate(4)
 
 
 def test_one_rule_says_when_an_eval_is_due_and_one_when_a_save_is():
