@@ -431,12 +431,13 @@ def colocated_source(args, world, monkeypatch):
     args.grid.gpu_placement, args.async_rl.min_groups_for_streaming_train = "colocated", args.ppo.num_prompts_per_step
     args.log.eval_every = 0
     engine = RecordingEngine("unused", args.rollout, 64, world.device, sleep_mode=True)
-    engine.close = lambda: None  # no vLLM behind it
+    engine.close, engine.asked = lambda: None, []  # no vLLM behind it; the groups each generate was asked for
     source = placement.EngineGroups(args, world, lambda: engine, None, None)  # the stand-in generate makes the groups
     G = args.ppo.num_generations_per_prompt
 
     def generate(engine, task, tok, indices, step, args, version):
         engine.generate()
+        engine.asked.append(list(indices))
         comps = [[5 + j, 6] for j in range(G)]
         s = Samples([0] * G, [[3, 4]] * G, comps, [[-1.0, -1.0]] * G, ["stop"] * G)
         for i in indices:
@@ -501,6 +502,7 @@ def test_colocated_engine_sleeps_from_the_chunk_until_the_refit_after_the_critic
     recs = train_in_process(args, tiny_path, world, source)
     assert seen == [("chunk", "asleep"), ("critic", "asleep")] * 2
     assert engine.log == STEP_CYCLE * 2 + ["sleep:1"]  # the run's end hands the card to the export
+    assert engine.asked == [list(range(args.ppo.num_prompts_per_step))] * 2  # one rank: every group of the step
     assert not [r for r in recs if "rollout_memory_peak_gib" in r]  # each engine is in its own rank's peak
 
 
