@@ -326,7 +326,7 @@ class EngineGroups:
         self.engine = self.handoff = None
 
     def start(self, step: int, policy, offload, load=None, say=print, write=None, logged_eval=-1) -> None:
-        say("building the vLLM engine ...")  # beside the trainer, built first as in GRPO (models._pretrained)
+        say("building the vLLM engine ...")  # after the trainer's models, as in GRPO (models._pretrained: why)
         self.engine = self.build_engine()
         policy_off = offload[0]
         everything = Together(*offload)  # policy, critic, and the reference if there is one
