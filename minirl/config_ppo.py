@@ -121,8 +121,10 @@ class PPOFlags:
                                   f"streaming-train={p.num_prompts_per_step})")
             dp = world_size - self.grid.rollout_ranks
         if p.num_prompts_per_step % dp:
-            fits = [r for r in range(1, world_size) if p.num_prompts_per_step % (world_size - r) == 0]
-            other = f", or --grid.rollout-ranks {fits[0]} ({world_size - fits[0]} train rank(s))" if dp < world_size else ""
+            other = ""
+            if dp < world_size:  # disaggregated: the fewest rollout ranks whose train ranks split them
+                r = next(r for r in range(1, world_size) if p.num_prompts_per_step % (world_size - r) == 0)
+                other = f", or --grid.rollout-ranks {r} ({world_size - r} train rank(s))"
             raise ConfigError(f"--ppo.num-prompts-per-step={p.num_prompts_per_step} must split evenly over "
                               f"{dp} train rank(s); use a multiple of {dp}{other}")
         _positive("--async-rl.rollout-groups-per-call", a.rollout_groups_per_call)
