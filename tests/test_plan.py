@@ -115,7 +115,8 @@ def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_doe
     """The PPO recipe without activation checkpointing on 10 GiB cards: its train ranks do not fit at 8
     rows per micro-batch; the plan
     names the largest count that fits, which does (re-planned), and one more row does not; on a card where
-    only one row fits, it names one."""
+    only one row fits, it names one; asked for a train rank's whole share at once, it counts down from that
+    share (the train ranks' split, not the world's)."""
     import dataclasses
     args, nproc = recipe_args(os.path.join(ROOT, "recipes", "gsm8k_ppo_8gpu.sh"), tmp_path)
     args.dry_run_card_gib, args.model.activation_checkpointing = 10.0, False
@@ -135,6 +136,13 @@ def test_a_train_rank_that_does_not_fit_is_told_the_largest_micro_batch_that_doe
     args.dry_run_card_gib = (peak(1) + peak(2)) / 2  # only one row per micro-batch fits
     line = next(x for x in plan.dry_run(args) if x.startswith("rank 2:"))
     assert line.endswith(f"--ppo.policy-micro-batch-rows 1 --ppo.critic-micro-batch-rows 1 (peak {peak(1):.1f})")
+    # a whole share per micro-batch (0): the count is searched down from the share of one of the 6 train
+    # ranks (42 rows; the 2 rollout ranks hold none), and all but one row fits
+    rows = args.ppo.num_prompts_per_step * args.ppo.num_generations_per_prompt // (nproc - args.grid.rollout_ranks)
+    args.ppo.policy_micro_batch_rows = args.ppo.critic_micro_batch_rows = 0
+    args.dry_run_card_gib = (peak(rows - 1) + peak(rows)) / 2
+    line = next(x for x in plan.dry_run(args) if x.startswith("rank 2:"))
+    assert rows == 42 and f"--ppo.policy-micro-batch-rows {rows - 1} " in line, line
 
 
 def test_a_colocated_plan_counts_the_publish_where_engine_weights_and_trainer_overlap(tmp_path):
