@@ -793,3 +793,16 @@ def test_eval_without_held_out_prompts_is_refused_before_the_engine(world, tiny_
     monkeypatch.setattr("minirl.rollout.Engine", lambda *a, **k: pytest.fail("an engine was built"))
     with pytest.raises(ConfigError, match=r"no held-out prompts to score \(--task.eval-prompts is 0: raise it; "):
         evaluate.main(["--task.eval-prompts", "0"])
+
+
+def test_eval_of_a_checkpoint_checks_its_model_and_task_before_the_export(world, tiny_path, tmp_path, monkeypatch):
+    """A checkpoint is exported before it is scored, which for a large model takes minutes: the model's
+    checks, its tokenizer and the task (a reward file that does not exist, here) come first."""
+    from minirl.tools import eval as evaluate
+    monkeypatch.setattr("minirl.tools.export.export", lambda *a, **k: pytest.fail("the checkpoint was exported"))
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no_such_reward.py"):
+        evaluate.main(["--checkpoint", str(ckpt), "--model.path", tiny_path,
+                       "--task.reward", str(tmp_path / "no_such_reward.py") + ":score"])

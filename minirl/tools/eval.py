@@ -59,15 +59,15 @@ def main(argv: list[str] | None = None) -> float:
         check_checkpoint(args.checkpoint, "--checkpoint")
     world = dist.init()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the temporary export is removed
+    base = models.resolve_path(args.model)  # a checkpoint's export has its config and tokenizer: checked first
+    check_model(base, args.rollout, args.rollout.max_model_len)
+    tok = models.load_tokenizer(base)
+    task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, True, args.steps)
     with tempfile.TemporaryDirectory(prefix="minirl-eval-") as tmp:
-        if args.checkpoint:  # the engine loads a Hugging Face folder: export the checkpoint's policy first
+        path = base
+        if args.checkpoint:  # the engine loads a Hugging Face folder: export the checkpoint's policy
             from minirl.tools.export import export
-            path = export(args.checkpoint, os.path.join(tmp, "policy"), models.resolve_path(args.model))
-        else:
-            path = models.resolve_path(args.model)
-        check_model(path, args.rollout, args.rollout.max_model_len)
-        tok = models.load_tokenizer(path)
-        task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, True, args.steps)
+            path = export(args.checkpoint, os.path.join(tmp, "policy"), base)
         engine = Engine(path, args.rollout, args.rollout.max_model_len, world.engine_device, dtype=args.model.dtype,
                         seed=args.seed, log_file=None if args.engine_logs else os.path.join(tmp, "engine.log"))
         try:
