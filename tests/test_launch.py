@@ -569,10 +569,11 @@ def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     ("reward", 1, "minirl.grpo: error: --task.reward m:f failed on 'abc': ValueError: no"),
     ("late", 2, "minirl.grpo: error: --task.reward m:f failed on 'abc': took over 60 s"),
     (KeyboardInterrupt(), 130, "minirl.grpo: interrupted (Ctrl-C)"),
+    (SystemExit(143), 143, "minirl.grpo: stopped by SIGTERM"),
     ("stalled", 3, "minirl.grpo: stopped: 3 steps in a row were not finite"),
     (RuntimeError("[/gloo/pair.cc:534] Connection closed by peer [10.0.0.2]:41234"), 4,
      "minirl.grpo: error: this rank lost a peer: Connection closed by peer [10.0.0.2]:41234"),
-], ids=["done", "flag", "reward", "reward-timeout", "ctrl-c", "stalled", "lost-peer"])
+], ids=["done", "flag", "reward", "reward-timeout", "ctrl-c", "sigterm", "stalled", "lost-peer"])
 def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code, line):
     """launch.run: one line on stderr, no traceback, and the exit code the module docstring lists (a run that
     ends well: 0 and nothing on stderr); the process group is shut down on every way out."""
