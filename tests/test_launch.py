@@ -253,6 +253,10 @@ def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
         check_out(str(theirs), str(ckpt), overwrite=True)
     (theirs / "README.md").write_text(model_card("an earlier export", "tiny", {"steps": 1}))
     check_out(str(theirs), str(ckpt), overwrite=True)  # an earlier export: may be replaced
+    (theirs / "train.py").write_text("# mine")  # a file no export writes, put beside one: refused, not deleted
+    with pytest.raises(ConfigError, match=r"does not hold an export \(it has \['train.py'\]\)"):
+        check_out(str(theirs), str(ckpt), overwrite=True)
+    (theirs / "train.py").unlink()
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(ConfigError, match=r"OUT=.*a_file' is a file; give a folder"):
         check_out(str(tmp_path / "a_file"), str(ckpt), overwrite=True)
@@ -798,12 +802,15 @@ def test_eval_without_held_out_prompts_is_refused_before_the_engine(world, tiny_
 
 def test_eval_of_a_checkpoint_checks_its_model_and_task_before_the_export(world, tiny_path, tmp_path, monkeypatch):
     """A checkpoint is exported before it is scored, which for a large model takes minutes: the model's
-    checks, its tokenizer and the task (a reward file that does not exist, here) come first."""
+    checks, its tokenizer and the task (a reward file that does not exist, here) come first. Its run's
+    config.json is read first, leniently (a training run's flags are not the command's)."""
     from minirl.tools import eval as evaluate
     monkeypatch.setattr("minirl.tools.export.export", lambda *a, **k: pytest.fail("the checkpoint was exported"))
-    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     ckpt.mkdir(parents=True)
     (ckpt / "loop_state.json").write_text("{}")
+    config = GRPOArgs().to_dict()
+    config["model"]["path"] = tiny_path
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="no_such_reward.py"):
-        evaluate.main(["--checkpoint", str(ckpt), "--model.path", tiny_path,
-                       "--task.reward", str(tmp_path / "no_such_reward.py") + ":score"])
+        evaluate.main(["--checkpoint", str(ckpt), "--task.reward", str(tmp_path / "no_such_reward.py") + ":score"])
