@@ -52,7 +52,9 @@ TESTS = {  # module -> the unit tests that guard it
     "ppo": ["tests/test_ppo.py"],
     "placement": ["tests/test_ppo.py"],
     "refit": ["tests/test_dist.py", "tests/test_ppo.py"],
-    "rollout": ["tests/test_rollout.py"],  # with the engine: the tiny model's starts in seconds
+    "rollout": ["tests/test_rollout.py",  # with the engine: the tiny model's starts in seconds
+                "tests/test_plan.py::test_a_config_of_other_names_is_read_as_transformers_reads_it_and_a_vision_"
+                "language_one_is_refused"],  # with_sizes, which the plan reads through too
     "tools/plot": ["tests/test_plot.py"],
     "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
         "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",
