@@ -222,7 +222,9 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     assert lines[0] == f"eval_accuracy {last:.4f} on 128 prompts"
     assert lines[1] == f"eval_accuracy {sum(right[::2]) / 64:.4f} on 64 prompts"  # the prompts it scored
     p = run([script("minirl-export"), str(ckpt), str(tmp_path / "out")])
-    assert p.returncode == 0
+    assert p.returncode == 0 and p.stdout.splitlines() == [  # a line before the minutes a large model takes
+        f"exporting {ckpt}: loading the model and its trained policy, then writing {tmp_path / 'out'} ...",
+        f"exported {ckpt} to {tmp_path / 'out'}"], p.stdout
     a, b = load_file(finished / "final" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o644"

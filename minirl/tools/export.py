@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     check_checkpoint(a.checkpoint, "CHECKPOINT")  # before anything is loaded
     check_out(a.out, a.checkpoint, a.overwrite)
+    print(f"exporting {a.checkpoint}: loading the model and its trained policy, then writing {a.out} ...", flush=True)
     print(f"exported {a.checkpoint} to {export(a.checkpoint, a.out, a.model_path)}")
 
 
