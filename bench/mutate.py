@@ -66,6 +66,7 @@ TESTS = {  # module -> the unit tests that guard it
         "eval_of_a_checkpoint_reads_its_runs_config_first_and_the_flags_beside_it_win",
         "eval_without_held_out_prompts_is_refused_before_the_engine",
         "eval_of_a_checkpoint_checks_its_model_and_task_before_the_export",
+        "a_sigterm_during_eval_exits_143_and_leaves_no_temporary_folder",
         "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")]
     + ["tests/test_config.py::test_every_default_is_the_recorded_one"],
 }

@@ -802,6 +802,30 @@ def test_eval_without_held_out_prompts_is_refused_before_the_engine(world, tiny_
         evaluate.main(["--task.eval-prompts", "0"])
 
 
+def test_a_sigterm_during_eval_exits_143_and_leaves_no_temporary_folder(world, tiny_path, tmp_path, monkeypatch):
+    """minirl-eval keeps the engine's log (and a checkpoint's export) in a temporary folder: a SIGTERM (a
+    scheduler's preemption) unwinds through it, exit 143, and the folder is gone."""
+    import signal
+    import tempfile
+    import time
+    from minirl.tools import eval as evaluate
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folders = []
+
+    def engine(*args, log_file=None, **kwargs):  # the engine's build, where the signal lands
+        folders.append(os.path.dirname(log_file))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+    monkeypatch.setattr("minirl.rollout.Engine", engine)
+    before = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("minirl-eval set no SIGTERM handler"))
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            evaluate.main(["--model.path", tiny_path])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 143 and folders[0].startswith(str(tmp_path)) and not os.path.exists(folders[0])
+
+
 def test_eval_of_a_checkpoint_checks_its_model_and_task_before_the_export(world, tiny_path, tmp_path, monkeypatch):
     """A checkpoint is exported before it is scored, which for a large model takes minutes: the model's
     checks, its tokenizer and the task (a reward file that does not exist, here) come first. Its run's
