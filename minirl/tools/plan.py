@@ -8,7 +8,8 @@ verdict and, if it does not, the largest micro-batch that would), without loadin
 engine or joining a process group. The estimate is arithmetic on the model's config.json and its
 parameters as transformers builds them (on the meta device: any family's layout): float32
 master shards, gathered compute-dtype blocks, the reference, gradients, AdamW's moments, the saved
-activations (per Qwen2/Llama block, or with activation checkpointing), one piece of the chunked logprob
+activations (what the model's own blocks save for backward, run on fake tensors, or with activation
+checkpointing their inputs), one piece of the chunked logprob
 head, the engine's `--rollout.gpu-memory-utilization`, and 1 GiB of CUDA context. Colocated, engine and
 trainer take turns but for the publish. It is meant to catch a recipe that cannot fit; `--rehearse`
 measures the step itself (docs/gpu.md compares the two).
@@ -17,10 +18,12 @@ measures the step itself (docs/gpu.md compares the two).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
 import re
+import weakref
 
 import torch
 
@@ -86,20 +89,77 @@ def parameter_counts(hf: dict) -> dict[str, int]:
 @functools.lru_cache
 def _counted(config: str) -> tuple[int, int]:
     """(one block's parameters, all) of a config.json, built on the meta device: no memory, 0.3 s for 70B."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(config)))
+        model = AutoModelForCausalLM.from_config(_transformers_config(config))
     block = dist.decoder_blocks(model)[0]
     return sum(p.numel() for p in block.parameters()), sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes_per_token(hf: dict, compute_bytes: int) -> int:
-    """What one decoder block keeps for backward per token: in the compute dtype the block's input,
-    the two norms' outputs, q, k, v, the attention output and o_proj's input, and the MLP's gate,
-    up, act(gate) and their product (8h + 2kv + 4i values); plus the norms' float32 inputs (2h)."""
-    h, i, heads = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads", heads) * (hf.get("head_dim") or h // heads)
-    return compute_bytes * (8 * h + 2 * kv + 4 * i) + 4 * 2 * h
+def _transformers_config(config: str):
+    """transformers' config of a config.json as `with_sizes` read it, less the sizes it named that the
+    family computes (Falcon's head_dim is a property: setting it fails)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+    hf = json.loads(config)
+    cls = CONFIG_MAPPING[hf["model_type"]]
+    computed = {k for k in hf if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
+    return AutoConfig.for_model(**{k: v for k, v in hf.items() if k not in computed})
+
+
+@functools.lru_cache
+def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
+    """Bytes the decoder blocks keep for backward per token of a `row`-token sequence, all of them and the
+    largest block's, counted from what autograd saves as the model's own blocks (transformers' class for
+    config.json) run on fake tensors: no memory, no values computed, and any family's norms, MLP,
+    activation function, attention kernel (an eager one's (row, row) weights included) and mix of blocks
+    (DeepSeek's dense first blocks, a hybrid's linear-attention ones). Each storage the graph still holds
+    when the forward ends counts once, in the block that saved it first: a block's input and what it
+    creates, not the parameters or what a block is handed (the rotary tables). The blocks run in eval() (no dropout, as the trainer's dropout 0.0)
+    without the causal mask, which on fake tensors transformers would build in full and pass to the kernel
+    (on real ones it passes none). Blocks that fake tensors cannot run (a step that reads a value:
+    JetMoE's routing) are counted as Qwen2 blocks of their widths: 8h + 2kv + 4i values in the compute
+    dtype and 2h in float32 each, what a real Qwen2 block keeps with about two hidden-size vectors to spare."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+    kept, skip, runs, inside = [], set(), [], []  # kept: (what autograd holds, weakly; the block run saving it)
+
+    def enter(block, args, kwargs):  # a forward pre-hook: the block's arguments
+        bound = inspect.signature(block.forward).bind(*args, **kwargs)
+        if "attention_mask" in bound.arguments:
+            bound.arguments["attention_mask"] = None
+        _, *handed = [t for v in bound.arguments.values() for t in (v if isinstance(v, tuple) else (v,))]
+        skip.update(t.untyped_storage()._cdata for t in handed if isinstance(t, torch.Tensor))
+        runs.append(block)
+        inside.append(block)
+        return bound.args, bound.kwargs
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if inside:
+            kept.append((weakref.ref(t), len(runs) - 1))
+        return t
+
+    try:
+        with FakeTensorMode():
+            model = AutoModelForCausalLM.from_config(_transformers_config(config), dtype=models.DTYPES[dtype]).eval()
+            skip.update(t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()])
+            for block in dist.decoder_blocks(model):
+                block.register_forward_pre_hook(enter, with_kwargs=True)
+                block.register_forward_hook(lambda *_: inside.clear())
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out = model(input_ids=torch.zeros(1, row, dtype=torch.long), use_cache=False)
+    except Exception:  # fake tensors cannot give the value the step reads
+        d, c = json.loads(config), models.DTYPES[dtype].itemsize
+        h, i, heads = d["hidden_size"], d["intermediate_size"], d["num_attention_heads"]
+        kv = d.get("num_key_value_heads", heads) * (d.get("head_dim") or h // heads)
+        block = c * (8 * h + 2 * kv + 4 * i) + 4 * 2 * h
+        return d["num_hidden_layers"] * block, block
+    first = {}  # each storage the graph still holds (a dropped node's are freed), by the first block saving it
+    for ref, k in kept:
+        if (t := ref()) is not None and t.untyped_storage()._cdata not in skip:
+            first.setdefault(t.untyped_storage()._cdata, (k, t.untyped_storage().nbytes()))
+    del out  # held until here: the graph, and what it keeps
+    sizes = [sum(n for k, n in first.values() if k == run) / row for run in range(len(runs))]
+    return sum(sizes), max(sizes)
 
 
 def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> list[str]:
@@ -107,7 +167,6 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
     placement = "colocated" if grpo else args.grid.gpu_placement
     R = 0 if placement == "colocated" else args.grid.rollout_ranks
     compute = args.model.dtype
-    c = models.DTYPES[compute].itemsize
     T = args.rollout.max_model_len
     head = [f"plan: {'minirl.grpo' if grpo else 'minirl.ppo'}, {world} rank(s) on {device_type}, {placement}; "
             f"model {source}" + (f" ({parameter_counts(hf)['total'] / 1e9:.2f}B parameters)" if hf else "")]
@@ -124,7 +183,7 @@ def plan(args, world: int, device_type: str, hf: dict | None, source: str) -> li
         where = f" node={node}" if nnodes > 1 else ""
         prefix = (f"rank {g}:{where} role={role} trainer={d.trainer or '-'} engine={d.engine or '-'} "
                   f"params={params} compute={compute}")
-        share, mem = (_grpo_share(args, world, hf, c, T) if grpo else _ppo_share(args, g, world, R, role, hf, c, T))
+        share, mem = (_grpo_share(args, world, hf, T) if grpo else _ppo_share(args, g, world, R, role, hf, T))
         memory = _memory(args, role, mem, device_type, hf)
         if memory.endswith("(DOES NOT FIT)") and role != "rollout":
             memory += f"; {suggest(args, world, hf, role)}"
@@ -173,29 +232,32 @@ def ranks_per_node(args, world: int) -> int:
     return int(os.environ["LOCAL_WORLD_SIZE"]) if inside else world
 
 
-def activation_bytes(hf: dict, c: int, tokens: int, checkpointing: bool) -> float:
-    """What a micro-batch's forward keeps for backward: every block's saved tensors, or, with
-    --model.activation-checkpointing, every block's input plus one block's tensors while it reruns."""
-    L, per_block = hf["num_hidden_layers"], activation_bytes_per_token(hf, c)
-    return tokens * (L * c * hf["hidden_size"] + per_block if checkpointing else L * per_block)
+def activation_bytes(hf: dict, dtype: str, tokens: int, row: int, checkpointing: bool) -> float:
+    """What a micro-batch of `tokens` in rows of up to `row` keeps for backward: every block's saved
+    tensors, or, with --model.activation-checkpointing, every block's input plus the largest block's
+    tensors while it reruns."""
+    L, c = hf["num_hidden_layers"], models.DTYPES[dtype].itemsize
+    every, largest = saved_per_token(json.dumps(hf, sort_keys=True), dtype, min(row, tokens))
+    return tokens * (L * c * hf["hidden_size"] + largest if checkpointing else every)
 
 
-def _trainer_terms(hf: dict, dp: int, c: int, micro_tokens: int, ref: bool, checkpointing: bool) -> dict[str, float]:
+def _trainer_terms(hf: dict, dp: int, dtype: str, micro_tokens: int, row: int, ref: bool,
+                   checkpointing: bool) -> dict[str, float]:
     """One trained model's terms (GiB): its float32 master shard with the root and two blocks gathered in
     the compute dtype (and the reference's shard and gather), float32 gradients, AdamW's two moments, one
     micro-batch's activations, one piece of the chunked head."""
-    n, V = parameter_counts(hf), hf["vocab_size"]
+    n, V, c = parameter_counts(hf), hf["vocab_size"], models.DTYPES[dtype].itemsize
     gathered = c * (n["root"] + 2 * n["block"])
     piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
     summed = 4 * V * hf["hidden_size"] if c < 4 else 0  # the head's weight gradient, summed in float32
     return {"params": (4 * n["total"] / dp + gathered + (c * n["total"] / dp + gathered if ref else 0)) / GIB,
             "grads": 4 * n["total"] / dp / GIB,
             "optimizer": 8 * n["total"] / dp / GIB,
-            "activations": activation_bytes(hf, c, micro_tokens, checkpointing) / GIB,
+            "activations": activation_bytes(hf, dtype, micro_tokens, row, checkpointing) / GIB,
             "logits": (piece * V * (c + 4 + 4) + summed) / GIB}
 
 
-def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
+def _grpo_share(args: GRPOArgs, dp: int, hf, T: int):
     rl = args.rl
     rows = rl.batch_per_replica // dp
     micro_rows = args.micro_batch // dp
@@ -203,13 +265,13 @@ def _grpo_share(args: GRPOArgs, dp: int, hf, c: int, T: int):
     micro_tokens = rl.max_tokens_per_micro_batch or micro_rows * T
     share = (f"prompts={rows // rl.group_size} rows={rows} n_mini={args.n_mini} n_micro={n_micro} "
              f"micro_rows={micro_rows if not rl.max_tokens_per_micro_batch else '-'} tokens<={T}")
-    terms = _trainer_terms(hf, dp, c, micro_tokens, ref=bool(rl.kl_coef),
+    terms = _trainer_terms(hf, dp, args.model.dtype, micro_tokens, T, ref=bool(rl.kl_coef),
                            checkpointing=args.model.activation_checkpointing) if hf else None
     return share, terms
 
 
-def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int, T: int):
-    p = args.ppo
+def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, T: int):
+    p, c = args.ppo, models.DTYPES[args.model.dtype].itemsize
     G = p.num_generations_per_prompt
     if role == "rollout":
         prompts = len(range(g, p.num_prompts_per_step, R))
@@ -225,7 +287,7 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
     # training: one model resident at a time, the pump offloads the idle one with its optimizer (S7),
     # and the policy's kept gradients are freed by its step before the critic trains; a checkpoint or
     # the export: both models and both optimizers resident, no gradients, no activations
-    train = _trainer_terms(hf, dp, c, max(micro, critic) * T, ref=bool(p.kl_coef),
+    train = _trainer_terms(hf, dp, args.model.dtype, max(micro, critic) * T, T, ref=bool(p.kl_coef),
                            checkpointing=args.model.activation_checkpointing)
     n = parameter_counts(hf)
     save = {"params": (2 * 4 * n["total"] / dp + (c * n["total"] / dp if p.kl_coef else 0)
@@ -237,12 +299,11 @@ def _ppo_share(args: PPOArgs, g: int, world: int, R: int, role: str, hf, c: int,
 
 def train_rank_terms(args: GRPOArgs | PPOArgs, world: int, hf: dict) -> dict[str, float]:
     """The memory terms (GiB) of one train rank of a launch of `world` ranks (what --rehearse measures)."""
-    c = models.DTYPES[args.model.dtype].itemsize
     T = args.rollout.max_model_len
     if isinstance(args, GRPOArgs):
-        return _grpo_share(args, world, hf, c, T)[1]
+        return _grpo_share(args, world, hf, T)[1]
     R = args.grid.rollout_ranks if args.grid.gpu_placement == "disaggregated" else 0
-    return _ppo_share(args, R, world, R, "train" if R else "both", hf, c, T)[1]
+    return _ppo_share(args, R, world, R, "train" if R else "both", hf, T)[1]
 
 
 def engine_gib(args, role: str, device_type: str = "cuda") -> float:
