@@ -188,6 +188,29 @@ def test_the_parameter_count_is_transformers_own_for_the_model(shape):
     assert (n["block"], n["total"], n["root"]) == (block, total, total - hf["num_hidden_layers"] * block)
 
 
+def test_a_model_of_two_kinds_of_block_gathers_its_largest():
+    """DeepSeek-V3's first blocks are dense and the rest mixtures of experts, about 5 times their parameters
+    here (at 671B: 11.5B against 0.58B): the plan gathers two of the largest, and the root is what no block
+    holds (1.85B). It counted the first block for all: two dense blocks gathered, and a root of 635B."""
+    import torch
+    import transformers
+    hf = dict(model_type="deepseek_v3", vocab_size=100, hidden_size=128, intermediate_size=128,
+              moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+              num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32,
+              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_hidden_layers=3, first_k_dense_replace=1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
+    per_layer = {}
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            per_layer[layer] = per_layer.get(layer, 0) + p.numel()
+    total = sum(p.numel() for p in model.parameters())
+    assert per_layer[1] == per_layer[2] > 4 * per_layer[0]
+    assert plan.parameter_counts(hf) == {"root": total - sum(per_layer.values()), "block": per_layer[1],
+                                         "total": total}
+
+
 @pytest.mark.parametrize("family", ["gpt2_path", "neox_path", "gemma2_path"])
 def test_another_familys_parameters_are_counted_as_its_folder_holds_them(family, request):
     """The plan counted every model as a Qwen2 (three MLP matrices, q/k/v biases): GPT-2's and GPT-NeoX's

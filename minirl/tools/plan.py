@@ -81,19 +81,20 @@ def model_config(cfg) -> tuple[dict | None, str]:
 
 def parameter_counts(hf: dict) -> dict[str, int]:
     """Parameters of the model as transformers builds it (any family): the root (embedding, final norm, an
-    untied head), one block, all."""
-    block, total = _counted(json.dumps(hf, sort_keys=True))
-    return {"root": total - hf["num_hidden_layers"] * block, "block": block, "total": total}
+    untied head), the largest block (FSDP2 gathers a block whole: DeepSeek's mixtures of experts, not its
+    dense first blocks), all."""
+    blocks, total = _counted(json.dumps(hf, sort_keys=True))
+    return {"root": total - sum(blocks), "block": max(blocks), "total": total}
 
 
 @functools.lru_cache
-def _counted(config: str) -> tuple[int, int]:
-    """(one block's parameters, all) of a config.json, built on the meta device: no memory, 0.3 s for 70B."""
+def _counted(config: str) -> tuple[tuple[int, ...], int]:
+    """(each block's parameters, all) of a config.json, built on the meta device: no memory, 0.3 s for 70B."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_transformers_config(config))
-    block = dist.decoder_blocks(model)[0]
-    return sum(p.numel() for p in block.parameters()), sum(p.numel() for p in model.parameters())
+    blocks = tuple(sum(p.numel() for p in block.parameters()) for block in dist.decoder_blocks(model))
+    return blocks, sum(p.numel() for p in model.parameters())
 
 
 def _transformers_config(config: str):
@@ -114,11 +115,12 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
     activation function, attention kernel (an eager one's (row, row) weights included) and mix of blocks
     (DeepSeek's dense first blocks, a hybrid's linear-attention ones). Each storage the graph still holds
     when the forward ends counts once, in the block that saved it first: a block's input and what it
-    creates, not the parameters or what a block is handed (the rotary tables). The blocks run in eval() (no dropout, as the trainer's dropout 0.0)
-    without the causal mask, which on fake tensors transformers would build in full and pass to the kernel
-    (on real ones it passes none). Blocks that fake tensors cannot run (a step that reads a value:
-    JetMoE's routing) are counted as Qwen2 blocks of their widths: 8h + 2kv + 4i values in the compute
-    dtype and 2h in float32 each, what a real Qwen2 block keeps with about two hidden-size vectors to spare."""
+    creates, not the parameters or what a block is handed (the rotary tables). The blocks run in eval()
+    (no dropout, as the trainer's dropout 0.0) without the causal mask, which on fake tensors transformers
+    would build in full and pass to the kernel (on real ones it passes none). Blocks that fake tensors
+    cannot run (a step that reads a value: JetMoE's routing) are counted as Qwen2 blocks of their widths:
+    8h + 2kv + 4i values in the compute dtype and 2h in float32 each, what a real Qwen2 block keeps with
+    about two hidden-size vectors to spare."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
     kept, skip, runs, inside = [], set(), [], []  # kept: (what autograd holds, weakly; the block run saving it)
@@ -243,9 +245,9 @@ def activation_bytes(hf: dict, dtype: str, tokens: int, row: int, checkpointing:
 
 def _trainer_terms(hf: dict, dp: int, dtype: str, micro_tokens: int, row: int, ref: bool,
                    checkpointing: bool) -> dict[str, float]:
-    """One trained model's terms (GiB): its float32 master shard with the root and two blocks gathered in
-    the compute dtype (and the reference's shard and gather), float32 gradients, AdamW's two moments, one
-    micro-batch's activations, one piece of the chunked head."""
+    """One trained model's terms (GiB): its float32 master shard with the root and its two largest blocks
+    gathered in the compute dtype (and the reference's shard and gather), float32 gradients, AdamW's two
+    moments, one micro-batch's activations, one piece of the chunked head."""
     n, V, c = parameter_counts(hf), hf["vocab_size"], models.DTYPES[dtype].itemsize
     gathered = c * (n["root"] + 2 * n["block"])
     piece = min(micro_tokens, max(1, models.LOGITS_CHUNK // V))
