@@ -117,7 +117,8 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
     when the forward ends counts once, in the block that saved it first: a block's input and what it
     creates, not the parameters or what a block is handed (the rotary tables). The blocks run in eval()
     (no dropout, as the trainer's dropout 0.0) without the causal mask, which on fake tensors transformers
-    would build in full and pass to the kernel (on real ones it passes none). Blocks that fake tensors
+    would build in full and pass to the kernel (on real ones it passes none). A layer whose fast kernel runs
+    only on a GPU (Mamba's, flash-linear-attention's) is counted as its torch path. Blocks that fake tensors
     cannot run (a step that reads a value: JetMoE's routing) are counted as Qwen2 blocks of their widths:
     8h + 2kv + 4i values in the compute dtype and 2h in float32 each, what a real Qwen2 block keeps with
     about two hidden-size vectors to spare."""
