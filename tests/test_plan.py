@@ -279,19 +279,21 @@ def test_the_activation_term_is_what_the_familys_own_blocks_save_for_backward(fa
     Gemma 2's: 35% and 44% more than Qwen2's at these widths), MLP (OPT's two matrices: 48% less) or
     attention kernel (gpt-oss's eager one grows with the row). The Qwen2 arithmetic it replaces was 20-25%
     under for those two, half for gpt-oss at 96 tokens, and 1.5-2.5 times over for GPT-NeoX, Falcon and
-    OPT. A micro-batch keeps that for every block, or under activation checkpointing every block's input
+    OPT. A row over 512 tokens is on the line through 256 and 512 (within 0.1%: a few fixed-size tensors).
+    A micro-batch keeps that for every block, or under activation checkpointing every block's input
     and one block's. (Falcon's config.json as the plan reads it names a head_dim that Falcon computes:
     building it failed the dry run.)"""
     config = FAMILIES[family]
     hf = plan.with_sizes(dict(config))
     L, h = hf["num_hidden_layers"], hf["hidden_size"]
-    for T in (32, 96):
+    for T, rel in ((1000, 1e-3), (32, 1e-12), (96, 1e-12)):  # 1000: on the line through 256 and 512 tokens
         block = saved_by_a_block(config, T)
         every, largest = plan.saved_per_token(json.dumps(config, sort_keys=True), "bfloat16", T)
-        assert (every, largest) == (pytest.approx(L * block, rel=1e-12), block)
+        assert (every, largest) == (pytest.approx(L * block, rel=rel), pytest.approx(block, rel=rel)), T
     assert plan.activation_bytes(hf, "bfloat16", 2 * T, T, checkpointing=False) == pytest.approx(2 * T * L * block,
-                                                                                                 rel=1e-12)
-    assert plan.activation_bytes(hf, "bfloat16", 2 * T, T, checkpointing=True) == 2 * T * (L * 2 * h + block)
+                                                                                                 rel=1e-9)
+    assert plan.activation_bytes(hf, "bfloat16", 2 * T, T, checkpointing=True) == pytest.approx(
+        2 * T * (L * 2 * h + block), rel=1e-9)
 
 
 def test_a_model_of_two_kinds_of_block_is_counted_block_by_block():

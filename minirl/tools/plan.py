@@ -121,7 +121,13 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
     only on a GPU (Mamba's, flash-linear-attention's) is counted as its torch path. Blocks that fake tensors
     cannot run (a step that reads a value: JetMoE's routing) are counted as Qwen2 blocks of their widths:
     8h + 2kv + 4i values in the compute dtype and 2h in float32 each, what a real Qwen2 block keeps with
-    about two hidden-size vectors to spare."""
+    about two hidden-size vectors to spare. A row over 512 tokens is not run: the bytes per token are a
+    line in the row's length (an eager kernel's weights grow with it; a few fixed-size tensors stray from
+    it by 0.1%), drawn through 256 and 512 tokens, so a layer that loops over the tokens in Python
+    (Mamba's torch path) takes seconds, not minutes."""
+    if row > 512:
+        short, long = saved_per_token(config, dtype, 256), saved_per_token(config, dtype, 512)
+        return tuple(a + (b - a) * (row - 256) / 256 for a, b in zip(short, long))
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
     kept, skip, runs, inside = [], set(), [], []  # kept: (what autograd holds, weakly; the block run saving it)
