@@ -92,16 +92,15 @@ def _counted(config: str) -> tuple[tuple[int, ...], int]:
     """(each block's parameters, all) of a config.json, built on the meta device: no memory, 0.3 s for 70B."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_transformers_config(config))
+        model = AutoModelForCausalLM.from_config(transformers_config(json.loads(config)))
     blocks = tuple(sum(p.numel() for p in block.parameters()) for block in dist.decoder_blocks(model))
     return blocks, sum(p.numel() for p in model.parameters())
 
 
-def _transformers_config(config: str):
-    """transformers' config of a config.json as `with_sizes` read it, less the sizes it named that the
-    family computes (Falcon's head_dim is a property: setting it fails)."""
+def transformers_config(hf: dict):
+    """transformers' config of a config.json as `with_sizes` read it (the plan's and the rehearsal's models),
+    less the sizes it named that the family computes (Falcon's head_dim is a property: setting it fails)."""
     from transformers import CONFIG_MAPPING, AutoConfig
-    hf = json.loads(config)
     cls = CONFIG_MAPPING[hf["model_type"]]
     computed = {k for k in hf if isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None}
     return AutoConfig.for_model(**{k: v for k, v in hf.items() if k not in computed})
@@ -149,7 +148,8 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
 
     try:
         with FakeTensorMode():
-            model = AutoModelForCausalLM.from_config(_transformers_config(config), dtype=models.DTYPES[dtype]).eval()
+            hf = transformers_config(json.loads(config))
+            model = AutoModelForCausalLM.from_config(hf, dtype=models.DTYPES[dtype]).eval()
             skip.update(t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()])
             for block in dist.decoder_blocks(model):
                 block.register_forward_pre_hook(enter, with_kwargs=True)

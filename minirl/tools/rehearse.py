@@ -84,7 +84,7 @@ def child(args, module) -> list[str]:
     data = batch(args, world)  # on the host with real numbers, before fake mode
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), fakecuda.flash_attention():
-            peak, reads = step(args, world, _hf_config(hf), data, module)
+            peak, reads = step(args, world, plan.transformers_config(hf), data, module)
     except FakeTensorDeviceMismatchError as e:
         where = _minirl_frame(e)
         print(f"rehearsal {loop} {name} world {W}: device mismatch in {e.func}: {e.common_device} meets {e.device}"
@@ -220,12 +220,6 @@ def _groups(count: int, G: int, args, first: bool) -> list[dict]:
     half = lambda g: first and g < 2 <= count  # noqa: E731
     return [as_group(_samples(G, set(range(G)) if half(g) else set(), args), slice(0, G), [1.0] * G, [[1.0] * G], 0)
             for g in range(count)]
-
-
-def _hf_config(hf: dict):
-    from transformers import AutoConfig
-    fields = {k: v for k, v in hf.items() if k != "model_type"}
-    return AutoConfig.for_model(hf.get("model_type", "qwen2"), **fields)
 
 
 def _build(cfg, kind: str, world, args):
