@@ -155,7 +155,7 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
                 block.register_forward_pre_hook(enter, with_kwargs=True)
                 block.register_forward_hook(lambda *_: inside.clear())
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                out = model(input_ids=torch.zeros(1, row, dtype=torch.long), use_cache=False)
+                out = model(input_ids=torch.zeros(1, row, dtype=torch.long), use_cache=False)  # fake, host kernels
     except Exception:  # fake tensors cannot give the value the step reads
         d, c = json.loads(config), models.DTYPES[dtype].itemsize
         h, i, heads = d["hidden_size"], d["intermediate_size"], d["num_attention_heads"]
@@ -167,7 +167,9 @@ def saved_per_token(config: str, dtype: str, row: int) -> tuple[float, float]:
         if (t := ref()) is not None and t.untyped_storage()._cdata not in skip:
             first.setdefault(t.untyped_storage()._cdata, (k, t.untyped_storage().nbytes()))
     del out  # held until here: the graph, and what it keeps
-    sizes = [sum(n for k, n in first.values() if k == run) / row for run in range(len(runs))]
+    sizes = [0.0] * len(runs)
+    for k, n in first.values():
+        sizes[k] += n / row
     return sum(sizes), max(sizes)
 
 
