@@ -410,6 +410,9 @@ def test_bf16_compute_logprobs_and_values_come_out_of_their_heads_in_float32(tin
     assert (new.double() - exact).abs().max() < 1e-4 < 1e-2 < (old.double() - exact).abs().max()
 
     score = nn.Linear(64, 1).bfloat16()
+    with torch.no_grad():  # from the test's generator, not the global one (other tests move that)
+        score.weight.copy_(torch.randn(1, 64, generator=g) / 8)
+        score.bias.copy_(torch.randn(1, generator=g) / 8)
     hidden = 4 * torch.randn(2, 32, 64, generator=g).bfloat16()
     exact = (hidden.double() @ score.weight.double().t() + score.bias.double()).squeeze(-1)
     new, old = models.value_head(hidden, score), score(hidden).squeeze(-1).float()
