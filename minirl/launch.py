@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
-from minirl.config import ConfigError, holds_run
+from minirl.config import TINY, ConfigError, holds_run
 from minirl.flags import parse
-from minirl.rollout import check_model
+from minirl.rollout import check_model, check_reloads
 
 
 @dataclass
@@ -69,7 +69,9 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     args.validate(world_size)
     path = models.resolve_path(args.model)
     ready = Ready(args, path, None, None, None)
-    check_model(path, args.rollout, args.rollout.max_model_len, head_dim_flag="--model.tiny.num-heads")
+    check_model(path, args.rollout, args.rollout.max_model_len,
+                head_dim_flag="--model.tiny.num-heads" if args.model.path == TINY else "--model.path")
+    check_reloads(path)
     ready.tok = models.load_tokenizer(path)
     ready.task = tasks.make_task(args.task, args.seed, ready.tok, args.rollout.max_prompt_tokens,
                                  bool(args.log.eval_every), args.steps)  # every prompt and reward function

@@ -65,6 +65,39 @@ def check_model(path: str, cfg: RolloutConfig, max_model_len: int, head_dim_flag
                               f"{have:.0f} GiB; every engine on the machine reserves it. Try 1")
 
 
+def check_reloads(path: str, device_type: str | None = None) -> None:
+    """Fail before a training run builds anything if this engine cannot take the trainer's weights in place.
+    vLLM 0.32's CPU engine packs a mixture of experts' weights for its kernel once, at load
+    (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py, `_setup_kernel`: only when
+    `not is_weight_update`); a reload copies unpacked weights over the packed ones (a Mixtral resent its own
+    weights sampled 0.04 nats off) or fails on the padded shape. On CUDA a reload copies into the kernel's tensors."""
+    if (device_type or dist.device_type()) != "cpu":
+        return
+    name = next((name for name, _ in meta_model(path).named_parameters() if ".experts." in name), "")
+    if name:
+        raise ConfigError(f"--model.path is a mixture-of-experts model ({name}): vLLM's CPU engine cannot reload "
+                          "expert weights in place (it packs them for its kernel once, at load), so it would not "
+                          "sample the trained policy; train it on CUDA GPUs (minirl-eval scores it on a CPU)")
+
+
+def meta_model(path: str) -> torch.nn.Module:
+    """The causal LM in `path` as transformers builds it on the meta device: its names and shapes, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def as_checkpoint(model: torch.nn.Module, named):
+    """(name, tensor) pairs of `model`'s parameters -> the same weights as its checkpoint files hold them, the
+    form vLLM loads and save_pretrained writes. transformers 5 converts some families at load: a mixture of
+    experts' per-expert matrices become one (experts, ...) parameter, Mixtral's `block_sparse_moe` is named
+    `mlp`. This reverts it one parameter at a time: each of those conversions fuses a group of the files'
+    tensors into one parameter, so each parameter reverts alone. Other families pass unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+    for name, t in named:
+        yield from revert_weight_conversion(model, {name: t}).items()
+
+
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
@@ -237,8 +270,14 @@ class Engine:
             return {}
         return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
+    @functools.cached_property
+    def _model(self):
+        """The transformers model on the meta device: what `as_checkpoint` reverts the trainer's names by."""
+        return meta_model(self.path)
+
     def load_weights(self, named_tensors) -> int:
-        """Write (name, tensor) pairs in Hugging Face naming into the engine; returns how many."""
+        """Write the trainer's (name, tensor) pairs into the engine, as the model's checkpoint files name and lay
+        them out (`as_checkpoint`: what vLLM reads); returns how many."""
         if self.state == "asleep":
             raise RuntimeError("rollout: load_weights() while asleep; wake_up(['weights']) first")
         n, tied = 0, self._tied
@@ -246,7 +285,7 @@ class Engine:
         def counted():
             nonlocal n
             sent = {}
-            for name, t in named_tensors:
+            for name, t in as_checkpoint(self._model, named_tensors):
                 n += 1
                 sent[name] = t if name in tied.values() else None
                 yield name, t

@@ -19,7 +19,7 @@ import time
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from minirl import checkpoint, dist, models
+from minirl import checkpoint, dist, models, rollout
 from minirl.accumulator import Stall
 from minirl.config import TINY, OptimConfig, RolloutConfig
 from minirl.logger import RunLog, memory_peak_gib
@@ -213,7 +213,7 @@ def export_hf(model: torch.nn.Module, source_path: str, out_dir: str, is_main: b
     config). A failure leaves nothing written."""
     checkpoint.require_finite({"policy": model})
     state = {}
-    for name, t in dist.full_parameters(model, dtype):
+    for name, t in rollout.as_checkpoint(model, dist.full_parameters(model, dtype)):  # the files' names and layout
         if is_main:
             state[name] = t.to("cpu", copy=True).contiguous()
     if not is_main:

@@ -77,6 +77,19 @@ def gemma2_path(tiny_path, tmp_path_factory):
                                     num_key_value_heads=1, head_dim=32, max_position_embeddings=256, sliding_window=64))
 
 
+@pytest.fixture(scope="session")
+def moe_paths(tiny_path, tmp_path_factory):
+    """Mixtures of experts, which transformers 5 loads fused (each block's experts as one parameter): Qwen3-MoE,
+    and Mixtral, whose files also name the block `block_sparse_moe` where transformers says `mlp`."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 max_position_embeddings=256, num_experts_per_tok=2)
+    return {"qwen3_moe": tiny_family(tiny_path, str(tmp_path_factory.mktemp("qwen3_moe")),
+                                     Qwen3MoeConfig(moe_intermediate_size=48, num_experts=4, **sizes)),
+            "mixtral": tiny_family(tiny_path, str(tmp_path_factory.mktemp("mixtral")),
+                                   MixtralConfig(intermediate_size=96, num_local_experts=4, **sizes))}
+
+
 def prepare_smollm2():
     """recipes/prepare_smollm2.py as a module of its own (a fresh one each call: a test may replace its parts)."""
     import importlib.util

@@ -666,6 +666,35 @@ def test_the_engines_context_is_the_prompt_budget_plus_the_completion_cap(tmp_pa
                                     "--log.run-dir", str(tmp_path)], None)
 
 
+def test_a_model_the_cpu_engine_cannot_train_is_refused_before_anything_is_built_naming_its_flag(
+        tmp_path, tiny_path, moe_paths, monkeypatch):
+    """A mixture of experts: vLLM's CPU engine packs its experts once, at load, and a weight sync cannot replace
+    them (`rollout.check_reloads`), so training one on a CPU is refused in one line by both commands, before the
+    tokenizer, the task or the run directory; on CUDA it is not. A head size the CPU attention cannot run names
+    --model.path for a model folder (it named --model.tiny.num-heads, the built-in model's flag)."""
+    import shutil
+    from minirl import models, rollout
+    from minirl.config_ppo import PPOArgs
+    monkeypatch.setattr(models, "load_tokenizer", lambda path: pytest.fail("the tokenizer was loaded"))
+    for path in moe_paths.values():
+        for cls, sizes in ((GRPOArgs, []), (PPOArgs, ["--grid.gpu-placement", "colocated",
+                                                      "--async-rl.min-groups-for-streaming-train", "16"])):
+            with pytest.raises(ConfigError, match=r"^--model.path is a mixture-of-experts model \(model\.layers\.0\.mlp"
+                                                  r"\.experts\.gate_up_proj\): vLLM's CPU engine cannot reload"):
+                launch.preflight(cls, [*sizes, "--model.path", path, "--log.run-dir", str(tmp_path / "run")], None)
+        rollout.check_reloads(path, "cuda")
+    rollout.check_reloads(tiny_path, "cpu")
+    assert not os.path.exists(tmp_path / "run")
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_path, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "num_attention_heads": config["hidden_size"] // 16}))
+    with pytest.raises(ConfigError, match=r"^--model.path: head_dim 16 "):
+        launch.preflight(GRPOArgs, ["--model.path", str(wide), "--log.run-dir", str(tmp_path / "run")], None)
+    with pytest.raises(ConfigError, match=r"^--model.tiny.num-heads: head_dim 16 "):
+        launch.preflight(GRPOArgs, ["--model.tiny.num-heads", "8", "--log.run-dir", str(tmp_path / "run")], None)
+
+
 def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(tmp_path, monkeypatch, capsys):
     """`--dry-run` is the tools' one door: the plan is printed and no run comes back; the rehearsal (its child
     process stood in for here) starts only under --rehearse, and only on rank 0."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_same_grads, grads
-from minirl import dist, models
+from minirl import dist, models, rollout
 
 
 def big_vocab_model(vocab=151_936, hidden=8):
@@ -449,3 +449,22 @@ def test_another_familys_blocks_are_sharded_and_the_trainer_runs_without_its_dro
         first, second = (o if torch.is_tensor(o) else o.logits for o in out)
         assert torch.equal(first, second)
     assert json.load(open(os.path.join(gpt2_path, "config.json")))["resid_pdrop"] == 0.1  # the folder keeps its own
+
+
+def test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own(tiny_path, moe_paths):
+    """transformers 5 loads a mixture of experts fused (each block's experts as one (experts, ...) parameter) and
+    Mixtral's `block_sparse_moe` as `mlp`; vLLM reads the files' names and layout (a Mixtral weight sync failed
+    with "There is no module or parameter named 'layers.0.mlp'", and its export did not load in vLLM). What the
+    trainer sends and exports is the files' own tensors, name for name and bit for bit, reverted by the model or
+    by the engine's meta-device copy of it alike; a dense model's pass unchanged."""
+    from safetensors.torch import load_file
+    for path in (tiny_path, *moe_paths.values()):
+        policy = models.load_policy(path)
+        files = load_file(os.path.join(path, "model.safetensors"))
+        named = [(name, p.detach()) for name, p in policy.named_parameters()]
+        if path != tiny_path:
+            assert any(".experts.gate_up_proj" in name for name, _ in named)  # fused in memory
+        for like in (policy, rollout.meta_model(path)):
+            sent = dict(rollout.as_checkpoint(like, named))
+            assert sorted(sent) == sorted(files), path
+            assert all(torch.equal(sent[name], files[name]) for name in files), path
