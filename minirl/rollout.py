@@ -91,9 +91,15 @@ def as_checkpoint(model: torch.nn.Module, named):
     """(name, tensor) pairs of `model`'s parameters -> the same weights as its checkpoint files hold them, the
     form vLLM loads and save_pretrained writes. transformers 5 converts some families at load: a mixture of
     experts' per-expert matrices become one (experts, ...) parameter, Mixtral's `block_sparse_moe` is named
-    `mlp`. This reverts it one parameter at a time: each of those conversions fuses a group of the files'
-    tensors into one parameter, so each parameter reverts alone. Other families pass unchanged."""
+    `mlp`. This reverts it one parameter at a time where each conversion made one parameter (a fusion or a
+    rename), and all at once for a family whose load splits a tensor of the files into several (HRM's
+    `gate_up_proj`). Other families pass unchanged."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import revert_weight_conversion
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    if any(len(getattr(c, "target_patterns", ())) > 1 for c in conversions):  # a split: its parts revert together
+        yield from revert_weight_conversion(model, dict(named)).items()
+        return
     for name, t in named:
         yield from revert_weight_conversion(model, {name: t}).items()
 

@@ -468,3 +468,32 @@ def test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own(ti
             sent = dict(rollout.as_checkpoint(like, named))
             assert sorted(sent) == sorted(files), path
             assert all(torch.equal(sent[name], files[name]) for name in files), path
+
+
+def test_every_familys_weights_are_sent_as_save_pretrained_writes_them():
+    """For every causal-LM family this transformers builds (on the meta device, at two layers), the weight sync's
+    pairs are the ones save_pretrained would write, names and shapes: one parameter at a time where each load-time
+    conversion made one parameter (a fused mixture of experts, a rename), all at once where a load splits a tensor
+    of the files into several (HRM's `gate_up_proj`, which one parameter at a time sent as half of itself)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    reverted = set()
+    for family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config = AutoConfig.for_model(family)
+            text = config.get_text_config()
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                if isinstance(getattr(text, key, None), int):
+                    setattr(text, key, min(getattr(text, key), 2))
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # a family this transformers cannot build from its default config
+            continue
+        named = {name: p.detach() for name, p in model.named_parameters()}
+        whole = {name: t.shape for name, t in revert_weight_conversion(model, dict(named)).items()}
+        assert {name: t.shape for name, t in rollout.as_checkpoint(model, iter(named.items()))} == whole, family
+        if sorted(whole) != sorted(named):
+            reverted.add(family)
+    assert {"mixtral", "qwen3_moe", "deepseek_v2", "olmoe", "hrm_text"} <= reverted
+    assert not reverted & {"llama", "qwen2", "qwen3", "gemma2", "gpt2"}
