@@ -54,7 +54,11 @@ TESTS = {  # module -> the unit tests that guard it
     "refit": ["tests/test_dist.py", "tests/test_ppo.py"],
     "rollout": ["tests/test_rollout.py",  # with the engine: the tiny model's starts in seconds
                 "tests/test_plan.py::test_a_config_of_other_names_is_read_as_transformers_reads_it_and_a_vision_"
-                "language_one_is_refused"],  # with_sizes, which the plan reads through too
+                "language_one_is_refused",  # with_sizes, which the plan reads through too
+                "tests/test_models.py::test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own",
+                "tests/test_models.py::test_every_familys_weights_are_sent_as_save_pretrained_writes_them",
+                "tests/test_launch.py::test_a_model_the_cpu_engine_cannot_train_is_refused_before_anything_is_built_"
+                "naming_its_flag"],  # as_checkpoint and check_reloads
     "tools/plot": ["tests/test_plot.py"],
     "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
         "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",

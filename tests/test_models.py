@@ -456,7 +456,7 @@ def test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own(ti
     Mixtral's `block_sparse_moe` as `mlp`; vLLM reads the files' names and layout (a Mixtral weight sync failed
     with "There is no module or parameter named 'layers.0.mlp'", and its export did not load in vLLM). What the
     trainer sends and exports is the files' own tensors, name for name and bit for bit, reverted by the model or
-    by the engine's meta-device copy of it alike; a dense model's pass unchanged."""
+    by the engine's meta-device copy of it alike, one parameter at a time; a dense model's pass unchanged."""
     from safetensors.torch import load_file
     for path in (tiny_path, *moe_paths.values()):
         policy = models.load_policy(path)
@@ -468,6 +468,9 @@ def test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own(ti
             sent = dict(rollout.as_checkpoint(like, named))
             assert sorted(sent) == sorted(files), path
             assert all(torch.equal(sent[name], files[name]) for name in files), path
+        taken = []  # streamed: the first pair goes out before the second parameter is gathered
+        next(rollout.as_checkpoint(policy, (taken.append(name) or (name, t) for name, t in named)))
+        assert len(taken) == 1, path
 
 
 def test_every_familys_weights_are_sent_as_save_pretrained_writes_them():
