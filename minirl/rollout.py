@@ -8,7 +8,9 @@ the same in the CPU and CUDA wheels; the one private call is `close()`).
 - `Engine(..., device)`: built on the card `dist.device_map` gave this rank by vLLM's
   external-launcher executor, which reads the card from LOCAL_RANK (`dist.private_world`).
 - `Engine.load_weights(named_tensors)`: trainer weights into the running engine in place
-  (`LLM.collective_rpc("reload_weights")`).
+  (`LLM.collective_rpc("reload_weights")`), named and laid out as the model's checkpoint files hold them
+  (`as_checkpoint`: transformers 5 fuses some families' weights at load; vLLM reads the files' form).
+- `check_model`, `check_reloads`: what this engine cannot run or reload here, refused before anything is built.
 - `Engine.sleep(level)` / `wake_up(tags)`: vLLM sleep mode on CUDA; on CPU, which refuses it, the same
   state machine without freeing anything: "awake" -> "asleep" -> "weights" -> "awake". After a level-2
   sleep, generation is refused until one load_weights has rewritten every parameter.
