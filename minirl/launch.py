@@ -3,7 +3,7 @@
 - `preflight(cls, argv, loop)`: the flags and `--config` (flags.py), the `--dry-run` branch (the
   tools' one door, lazily), validation for the launch's world, the model folder and engine checks,
   the task with its reward functions, the checkpoint to resume (its files and shapes), and the claim
-  of the run directory, all before any model, engine or process group is built.
+  of the run directory (by train rank 0), all before any model, engine or process group is built.
 - `claim`: one live run owns a run directory and its checkpoint folder (kernel locks that die with
   their process); the run's identity (`run.json`, `begin`) is stamped on every checkpoint, so a folder
   holding another run's checkpoints is refused and a resume by path starts a new line.
@@ -83,7 +83,8 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
                                    owner=owner)
     if ready.resume:  # another model's checkpoint is refused before the run directory is touched
         checkpoint.check_shapes(ready.resume, models.on_meta(path, checkpoint.PARTS[cls.LOOP]))
-    ready.owner = claim(args, ready.resume)
+    if int(os.environ.get("RANK", 0)) == world_size - train_ranks:  # train rank 0: the one that writes the logs
+        ready.owner = claim(args, ready.resume)
     return ready
 
 
@@ -157,10 +158,9 @@ def owned_checkpoints(args, owner: dict) -> None:
 
 
 def claim(args, resume: str | None) -> dict:
-    """Own `args.log.run_dir` and `args.checkpoint_dir` for this run (global rank 0 only; other ranks
-    return {} at once); returns the run's identity (`identity`), begun or continued (`begin`)."""
-    if int(os.environ.get("RANK", 0)) != 0:
-        return {}
+    """Own `args.log.run_dir` and `args.checkpoint_dir` for this run (train rank 0 only, the rank that writes
+    both: the locks die with it); returns the run's identity (`identity`), begun or continued (`begin`). Under
+    disaggregated placement the other ranks wait for it (refit.share_claim) before they touch either folder."""
     d = args.log.run_dir
     os.makedirs(d, exist_ok=True)
     lock(d, "--log.run-dir")

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         train(ready, world, EngineGroups(args, world, engine, ready.task, ready.tok))  # built after the trainer
         return
     roles, world, store = refit.init_disaggregated(args.grid.rollout_ranks)
+    ready.owner = refit.share_claim(store, roles, ready.owner)  # no rank touches the run dir before its claim
     dist.seed_everything(args.seed)
     if roles.generates:
         rollout_rank(ready, roles, store)

@@ -1,10 +1,11 @@
-"""Disaggregated placement's wiring and its refit (only placement.py reaches this module).
+"""Disaggregated placement's wiring and its refit (only ppo.py and placement.py reach this module).
 
 - `init_disaggregated` (INSTEAD of `dist.init()`): ranks [0, R) generate, [R, N) train (`Roles`).
   vLLM hangs when built on some ranks of a group spanning all of them, so the train ranks form their
   default group among themselves and each rollout rank none (`dist.private_world`). Every rank joins
   the run's store at MASTER_ADDR:MASTER_PORT (torchrun's own, else hosted by global rank 0) for control
-  messages and small blobs in parts (`put`, `take`, `drop`), never weights.
+  messages and small blobs in parts (`put`, `take`, `drop`), never weights. `share_claim`: every rank
+  waits there for train rank 0's claim of the run directory before it writes anything.
 - `refit_group`: train rank 0 (member 0) and the rollout ranks (1..R), built on that store outside
   torch's registry: gloo on CPU, NCCL on GPUs.
 - The refit: `manifest` fixes every parameter's place in buckets of at most BUCKET_BYTES; `send`
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import socket
@@ -82,6 +84,17 @@ def run_store(addr: str, port: int, world_size: int = 1, host: bool = False) -> 
     store = tdist.TCPStore(addr, port, world_size, is_master=host and not agent, use_libuv=True,
                            timeout=datetime.timedelta(minutes=30))
     return tdist.PrefixStore(_attempt(), store)
+
+
+def share_claim(store, roles: Roles, owner: dict) -> dict:
+    """The run's identity as train rank 0 claimed the run directory in preflight (`launch.claim`: the
+    locks, --log.overwrite's clearing, run.json). It posts it; every other rank waits for it here, so no
+    rank writes into the run directory (a rollout rank's engine log) before the claim has cleared it, and
+    none runs at all when the claim was refused (torchrun stops the others when train rank 0 exits)."""
+    if roles.global_rank == roles.rollout_ranks:
+        store.set("claim", json.dumps(owner))
+        return owner
+    return json.loads(store.get("claim"))
 
 
 def _attempt() -> str:

@@ -72,6 +72,26 @@ def test_the_run_store_is_torchruns_own_and_binds_no_second_port(monkeypatch):
         refit.run_store("127.0.0.1", agent.port, host=True)  # another launcher: rank 0 binds MASTER_PORT itself
 
 
+def test_every_rank_waits_for_train_rank_0s_claim_of_the_run_directory_and_takes_its_identity():
+    """Disaggregated, global rank 0 is a rollout rank and train rank 0 claims the run directory: a rank that
+    went on before the claim once had its engine log, or the trainer its metrics.jsonl, removed by another
+    rank's --log.overwrite, and train rank 0 stamped its checkpoints with no run identity."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
+    client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False, use_libuv=True,
+                                        timeout=datetime.timedelta(seconds=20))  # the waiting rank's connection
+    devices = dist.Devices(None, torch.device("cpu"))
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(refit.share_claim(client, refit.Roles(0, 3, 1, devices), {})))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not taken  # rollout rank 0 waits for the claim
+    owner = {"run": "r1", "line": "r1", "from": 0}
+    assert refit.share_claim(store, refit.Roles(1, 3, 1, devices), owner) == owner  # train rank 0 posts its own
+    waiter.join(10)
+    assert taken == [owner]
+    assert refit.share_claim(store, refit.Roles(2, 3, 1, devices), {}) == owner  # train rank 1
+
+
 def test_a_disaggregated_rollout_rank_joins_the_store_only_and_a_train_rank_the_train_group(monkeypatch):
     """`init_disaggregated` in one process, a rank at a time, under torchrun's agent store. Of 3 ranks with
     1 rollout rank: rank 0 gets the run's store and no process group, and keeps its global RANK and

@@ -657,6 +657,24 @@ def test_a_resume_is_checked_against_the_train_ranks_not_the_launchs(tmp_path, w
     assert ready.resume == saved
 
 
+@pytest.mark.parametrize("loop, claimer", [("ppo", 1), ("grpo", 0)])
+def test_the_run_directory_is_claimed_by_train_rank_0_the_rank_that_writes_it(tmp_path, tiny_path, monkeypatch, loop,
+                                                                              claimer):
+    """PPO on 2 ranks, one generating: global rank 1 is train rank 0, which writes the logs and the checkpoints'
+    identity, so it takes the run directory's lock and writes run.json; rank 0 leaves both alone (it waits for
+    them: refit.share_claim). Colocated GRPO on 2 ranks: rank 0 trains, and claims."""
+    from minirl.config_ppo import PPOArgs
+    cls, sizes = (PPOArgs, []) if loop == "ppo" else (GRPOArgs, ["--rl.batch-per-replica", "8", "--rl.group-size", "4"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        d = tmp_path / f"run{rank}"
+        ready = launch.preflight(cls, [*sizes, "--steps", "2", "--log.eval-every", "0", "--log.run-dir", str(d)], None)
+        claimed = rank == claimer
+        assert bool(ready.owner) == claimed and (d / ".lock").exists() == claimed
+        assert launch.identity(str(d)) == (ready.owner if claimed else {})
+
+
 def test_the_engines_context_is_the_prompt_budget_plus_the_completion_cap(tmp_path, tiny_path):
     """200 prompt tokens and 100 completion tokens do not fit the built-in model's 256 positions: refused
     before anything is built, naming both flags."""

@@ -692,11 +692,21 @@ def steps_logged(run_dir):
 @e2e
 def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     """1 rollout + 2 train ranks: chunks stay aligned to the DP size, the critic sees P x G samples,
-    checkpoints land only between steps (counters already advanced) and a resume continues (S11, S21)."""
+    checkpoints land only between steps (counters already advanced) and a resume continues (S11, S21).
+    The first launch starts over an old run (--log.overwrite): train rank 0 claims the run directory, the
+    other ranks wait for the claim, and each checkpoint carries the run's identity."""
     flags = ["--async-rl.min-groups-for-streaming-train", "2", "--async-rl.sampler.max-lookahead-versions", "0",
              "--checkpoint.every", "1"]
-    p = ppo(3, tmp_path, "--steps", "2", *flags)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
+    (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
+    p = ppo(3, tmp_path, "--steps", "2", *flags, "--log.overwrite")
     assert p.returncode == 0
+    owner = json.loads((tmp_path / "run.json").read_text())
+    assert owner["run"] != "old" and [r["step"] for r in steps_logged(tmp_path)] == [0, 1]
+    assert (tmp_path / "engine.log").exists() and (tmp_path / "config.json").exists()
+    for step in (1, 2):
+        state = json.loads((tmp_path / "checkpoints" / f"step_{step:08d}" / "loop_state.json").read_text())
+        assert (state["run"], state["line"], state["run_dir"]) == (owner["run"], owner["line"], str(tmp_path))
     chunks = [line for line in p.stdout.splitlines() if line.startswith("train_pump: step 0 chunk")]
     assert chunks and all(int(line.split("groups=")[1].split()[0]) % 2 == 0 for line in chunks)
     ckpts = tmp_path / "checkpoints"
