@@ -693,17 +693,22 @@ def steps_logged(run_dir):
 def test_two_train_ranks_stream_checkpoint_between_steps_and_resume(tmp_path):
     """1 rollout + 2 train ranks: chunks stay aligned to the DP size, the critic sees P x G samples,
     checkpoints land only between steps (counters already advanced) and a resume continues (S11, S21).
-    The first launch starts over an old run (--log.overwrite): train rank 0 claims the run directory, the
-    other ranks wait for the claim, and each checkpoint carries the run's identity."""
+    The first launch starts over an old run (--log.overwrite) and claims the run directory late
+    (tests/dist/ppo_late_claim.py): train rank 0 claims it, the rollout rank waits for the claim before it
+    writes its engine log, and each checkpoint carries the run's identity."""
     flags = ["--async-rl.min-groups-for-streaming-train", "2", "--async-rl.sampler.max-lookahead-versions", "0",
              "--checkpoint.every", "1"]
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
     (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
-    p = ppo(3, tmp_path, "--steps", "2", *flags, "--log.overwrite")
+    (tmp_path / "engine.log").write_text("the old run's engine\n")
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+             "tests/dist/ppo_late_claim.py", *SMALL, "--log.run-dir", str(tmp_path), "--steps", "2", *flags,
+             "--log.overwrite"])
     assert p.returncode == 0
     owner = json.loads((tmp_path / "run.json").read_text())
     assert owner["run"] != "old" and [r["step"] for r in steps_logged(tmp_path)] == [0, 1]
-    assert (tmp_path / "engine.log").exists() and (tmp_path / "config.json").exists()
+    engine_log = (tmp_path / "engine.log").read_text()  # removed with the old run's, had it been opened first
+    assert "the old run's" not in engine_log and "vLLM" in engine_log
     for step in (1, 2):
         state = json.loads((tmp_path / "checkpoints" / f"step_{step:08d}" / "loop_state.json").read_text())
         assert (state["run"], state["line"], state["run_dir"]) == (owner["run"], owner["line"], str(tmp_path))
