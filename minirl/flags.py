@@ -29,6 +29,17 @@ MAX_CONFIG_DEPTH = 32
 PER_RUN = {"log.run_dir", "log.overwrite", "checkpoint.resume", "checkpoint.dir"}
 
 
+def _paragraphs(obj) -> dict[str, str]:
+    """A class's field docstrings for --help, each one paragraph for the terminal to wrap. tyro 1.0 joins a
+    docstring's lines before it dedents them, so it kept every line break of the source (tyro/_docstrings.py,
+    `get_field_docstring`), and most entries in an 80-column terminal had a line cut short."""
+    return {name: " ".join(text.split()) for name, text in _field_docstrings(obj).items()}
+
+
+_field_docstrings = tyro._docstrings.parse_docstring_from_object
+tyro._docstrings.parse_docstring_from_object = _paragraphs
+
+
 def _read(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path!r} is not a file")

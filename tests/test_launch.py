@@ -319,6 +319,27 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
     assert not re.findall(r"\b[BSX]\d{1,2}\b|B_r\b", out), re.findall(r".{30}\b[BSX]\d{1,2}\b.{10}", out)
 
 
+@pytest.mark.parametrize("loop", ["grpo", "ppo"])
+def test_each_flags_help_is_one_paragraph_wrapped_to_the_terminal(loop, capsys, monkeypatch):
+    """In an 80-column terminal every line of a flag's help but its last is filled: tyro kept the line breaks
+    of each source docstring (its lines joined before they were dedented), so `--task.path` alone had a line
+    of 33 characters ("array, .parquet or .arrow file of")."""
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    cls = {"grpo": GRPOArgs, "ppo": PPOArgs}[loop]
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        launch.parse(cls, ["--help"], inspect.cleandoc(cls.__doc__))
+    entries = [[]]  # one per flag: the lines of its help, indented under its name
+    for line in capsys.readouterr().out.splitlines():
+        if re.match(r"[│ ] {7}\S", line):  # the panel's edge is a space when the output is no terminal
+            entries[-1].append(line.strip("│ "))
+        else:  # a flag's name, a panel's edge
+            entries.append([])
+    cut = [line for lines in entries for line in lines[:-1] if len(line) < 40]
+    assert sum(map(bool, entries)) > 50 and not cut, cut
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--learning_rate", "1e-5"], "--learning_rate is not a flag of this command (see --help); did you mean --rl.lr?"),
     (["--num-generations=4"], "--num-generations is not a flag of this command (see --help); did you mean "
