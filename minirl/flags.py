@@ -1,4 +1,4 @@
-"""A command's flags: tyro's for its dataclass, with `--config FILE` beneath them.
+"""A command's flags: tyro's for its dataclass (each help one paragraph), with `--config FILE` beneath them.
 
 `--config FILE` (YAML or JSON, nested like the flags) gives the defaults and the flags beside it win,
 so a run's own config.json reruns that run. A value its flag would refuse is an error naming it; so are
