@@ -19,6 +19,7 @@ import typing
 
 import tyro
 import yaml
+from tyro import _docstrings
 
 from minirl.config import ConfigError
 
@@ -36,8 +37,9 @@ def _paragraphs(obj) -> dict[str, str]:
     return {name: " ".join(text.split()) for name, text in _field_docstrings(obj).items()}
 
 
-_field_docstrings = tyro._docstrings.parse_docstring_from_object
-tyro._docstrings.parse_docstring_from_object = _paragraphs
+_field_docstrings = getattr(_docstrings, "parse_docstring_from_object", None)
+if _field_docstrings:  # tyro 1.0's (private) reader; under another version --help is tyro's own
+    _docstrings.parse_docstring_from_object = _paragraphs
 
 
 def _read(path: str) -> dict:
