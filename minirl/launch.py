@@ -44,7 +44,7 @@ class Ready:
     tok: object          # its tokenizer
     task: object         # the prompts, checked against the prompt budget, with their scorer
     resume: str | None   # the checkpoint to resume from, checked from its files, or None
-    owner: dict = dataclasses.field(default_factory=dict)  # the run's identity (global rank 0; `claim`)
+    owner: dict = dataclasses.field(default_factory=dict)  # the run's identity (train rank 0; `claim`)
 
     @property
     def pad_id(self) -> int:
