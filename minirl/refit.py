@@ -21,6 +21,7 @@ import json
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,8 @@ def share_claim(store, roles: Roles, owner: dict) -> dict:
     if roles.global_rank == roles.rollout_ranks:
         store.set("claim", json.dumps(owner))
         return owner
+    while not store.check(["claim"]):  # polled: a store's get would hold a Ctrl-C or SIGTERM until it returns
+        time.sleep(0.05)
     return json.loads(store.get("claim"))
 
 

@@ -92,6 +92,23 @@ def test_every_rank_waits_for_train_rank_0s_claim_of_the_run_directory_and_takes
     assert refit.share_claim(store, refit.Roles(2, 3, 1, devices), {}) == owner  # train rank 1
 
 
+def test_a_rank_waiting_for_the_claim_leaves_at_once_on_ctrl_c():
+    """A blocking get on the store holds a signal until it returns (30 minutes, the store's timeout)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
+    code = ("import torch, torch.distributed as d; from minirl import dist, refit; "
+            f"s = d.TCPStore('127.0.0.1', {store.port}, is_master=False, use_libuv=True); print('waiting', flush=True); "
+            "refit.share_claim(s, refit.Roles(0, 2, 1, dist.Devices(None, torch.device('cpu'))), {})")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "waiting\n"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    try:
+        _, err = p.communicate(timeout=10)
+    finally:
+        p.kill()
+    assert "KeyboardInterrupt" in err
+
+
 def test_a_disaggregated_rollout_rank_joins_the_store_only_and_a_train_rank_the_train_group(monkeypatch):
     """`init_disaggregated` in one process, a rank at a time, under torchrun's agent store. Of 3 ranks with
     1 rollout rank: rank 0 gets the run's store and no process group, and keeps its global RANK and
