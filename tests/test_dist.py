@@ -95,7 +95,8 @@ def test_every_rank_waits_for_train_rank_0s_claim_of_the_run_directory_and_takes
 def test_a_rank_waiting_for_the_claim_leaves_at_once_on_ctrl_c():
     """A blocking get on the store holds a signal until it returns (30 minutes, the store's timeout)."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, use_libuv=True)
-    code = ("import torch, torch.distributed as d; from minirl import dist, refit; "
+    code = ("import signal, torch, torch.distributed as d; from minirl import dist, refit; "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "  # as in a terminal (a background job ignores it)
             f"s = d.TCPStore('127.0.0.1', {store.port}, is_master=False, use_libuv=True); print('waiting', flush=True); "
             "refit.share_claim(s, refit.Roles(0, 2, 1, dist.Devices(None, torch.device('cpu'))), {})")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
