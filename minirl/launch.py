@@ -28,6 +28,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
 from minirl.config import TINY, ConfigError, holds_run
@@ -82,10 +84,21 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
     ready.resume = checkpoint.find(args.checkpoint.resume, args.checkpoint_dir, cls.LOOP, train_ranks, args.steps,
                                    owner=owner)
     if ready.resume:  # another model's checkpoint is refused before the run directory is touched
-        checkpoint.check_shapes(ready.resume, models.on_meta(path, checkpoint.PARTS[cls.LOOP]))
+        checkpoint.check_shapes(ready.resume, on_meta(path, checkpoint.PARTS[cls.LOOP]))
     if int(os.environ.get("RANK", 0)) == world_size - train_ranks:  # train rank 0: the one that writes the logs
         ready.owner = claim(args, ready.resume)
     return ready
+
+
+def on_meta(path: str, kinds: tuple[str, ...]) -> dict:
+    """The models of `kinds` (a loop's checkpoint parts) built on the meta device from config.json: names
+    and shapes, no weights, for a resume's shape check."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    build = {"policy": lambda: AutoModelForCausalLM.from_config(config),
+             "value": lambda: models.ValueModel(AutoModel.from_config(config), config.hidden_size)}
+    with torch.device("meta"):
+        return {kind: build[kind]() for kind in kinds}
 
 
 def run(name: str, main, argv: list[str] | None = None) -> None:

@@ -117,7 +117,8 @@ def load_tokenizer(path: str):
 def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     """A transformers `Auto*` class's model from `path`, for training: no dropout (the engine samples
     without it, and pi_old must be that policy: TRL's and OpenRLHF's disable_dropout), no KV cache (with
-    one, packed rows would mix) and no progress bar per load on every rank."""
+    one, packed rows would mix) and no progress bar per load on every rank. Every weight the model has
+    comes from the folder: transformers starts a missing one at random and only warns."""
     import transformers
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -125,7 +126,19 @@ def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     for key, value in config.to_dict().items():  # GPT-2's resid_pdrop, Qwen2's attention_dropout, ...
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
-    model = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype)
+    verbosity = hf_logging.get_verbosity()
+    if auto == "AutoModel":  # the critic's backbone: the load report lists the LM head it leaves out by design
+        hf_logging.set_verbosity_error()
+    try:
+        model, info = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype,
+                                                                  output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ConfigError(f"--model.path: {path} lacks {len(missing)} weight(s) of its {type(model).__name__} "
+                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would start at "
+                          "random: the checkpoint is cut short or is not the architecture its config.json names")
     model.config.use_cache = False
     # vLLM 0.32 serves some families (GPT-NeoX, OLMo 2, Phi) through its Transformers backend, which rewrites
     # their transformers base class in this process as the engine is built: its __call__ then reads
@@ -182,16 +195,6 @@ def load_value(path: str) -> ValueModel:
     """The critic in float32 master weights (see load_policy)."""
     backbone = _pretrained("AutoModel", path, torch.float32)
     return ValueModel(backbone, backbone.config.hidden_size)
-
-
-def on_meta(path: str, kinds: tuple[str, ...]) -> dict[str, nn.Module]:
-    """The models of `kinds` built on the meta device from config.json: names and shapes, no weights."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(path)
-    build = {"policy": lambda: AutoModelForCausalLM.from_config(config),
-             "value": lambda: ValueModel(AutoModel.from_config(config), config.hidden_size)}
-    with torch.device("meta"):
-        return {kind: build[kind]() for kind in kinds}
 
 
 def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import checkpoint_names, everything, run, sigterm_after
-from minirl import checkpoint, models, tasks
+from minirl import checkpoint, launch, models, tasks
 
 
 
@@ -95,7 +95,7 @@ def test_an_unreadable_loop_state_or_metadata_and_a_parameter_it_lacks_are_refus
     checkpoint.check(path, "ppo", 1)  # whole again
     with pytest.raises(checkpoint.CheckpointError, match=r"has no parameter 'model\.embed_tokens\.weight' for the "
                                                          r"value: it was written for another model"):
-        checkpoint.check_shapes(path, models.on_meta(tiny_path, ("value",)))
+        checkpoint.check_shapes(path, launch.on_meta(tiny_path, ("value",)))
 
 
 def test_a_checkpoint_whose_files_fail_to_read_is_refused_in_one_line_naming_it(tmp_path, world, tiny_path):

@@ -236,6 +236,38 @@ def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_pat
     assert models.resolve_path(ModelConfig(path=str(d))) == str(d)
 
 
+def test_a_checkpoint_that_lacks_a_weight_is_refused_naming_it_never_started_at_random(tiny_path, tmp_path):
+    """transformers loads a folder that lacks a weight with that weight at random and a warning; vLLM
+    serves it too. Every model minirl trains refuses it, naming the weight."""
+    from safetensors.torch import load_file, save_file
+    from minirl.config import ConfigError
+    d = copy_of(tiny_path, tmp_path)
+    weights = load_file(str(d / "model.safetensors"))
+    gone = next(k for k in weights if k.endswith("layers.1.mlp.down_proj.weight"))
+    del weights[gone]
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    load = {"policy": models.load_policy, "value": models.load_value,
+            "reference": lambda p: models.load_reference(p, "bfloat16")}
+    for kind, fn in load.items():
+        with pytest.raises(ConfigError, match=rf"--model.path: {d} lacks 1 weight\(s\) .*\(({gone}|layers\.1\.mlp"
+                                              r"\.down_proj\.weight)\), which would start at random"):
+            fn(str(d))
+
+
+def test_the_critic_loads_an_untied_models_backbone_without_a_report_on_the_head_it_leaves(moe_paths, capfd, caplog):
+    """The critic is the checkpoint's backbone: the LM head of an untied model is left out by design, and
+    transformers' load report of it (a table, on every train rank) said nothing a user could act on."""
+    path = moe_paths["qwen3_moe"]
+    assert "lm_head.weight" in models.load_policy(path).state_dict()  # untied: a head of its own in the files
+    capfd.readouterr()
+    caplog.clear()
+    value = models.load_value(path)
+    assert "LOAD REPORT" not in "".join(capfd.readouterr()) + caplog.text
+    from transformers.utils import logging as hf_logging
+    assert hf_logging.get_verbosity() == hf_logging.WARNING  # the quiet is the critic's load's only
+    assert isinstance(value, models.ValueModel)
+
+
 def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path):
     from minirl.config import ConfigError, ModelConfig
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
