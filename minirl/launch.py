@@ -239,8 +239,9 @@ def lock(folder: str, flag: str = "--log.run-dir") -> None:
 
 
 def clear(run_dir: str, checkpoint_dir: str) -> None:
-    """--log.overwrite: remove what an old run left (never anything else in the folder)."""
-    for name in os.listdir(run_dir):
+    """--log.overwrite: remove what an old run left (never anything else in the folder). Its run.json goes
+    first: a launch killed part way leaves the old checkpoints another run's, which no resume takes."""
+    for name in sorted(os.listdir(run_dir), key=lambda name: name != "run.json"):
         if name in OLD_RUN or name.startswith("engine") and name.endswith(".log"):
             _remove(os.path.join(run_dir, name))
     for name in os.listdir(checkpoint_dir):  # the claim made it, and holds its lock

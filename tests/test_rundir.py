@@ -58,6 +58,36 @@ def test_overwrite_starts_the_run_dir_clean_of_the_old_run(tmp_path, monkeypatch
     assert launch.identity(str(tmp_path)) == owner and owner["run"] != "old" and owner["from"] == 0
 
 
+def test_a_launch_killed_while_overwrite_clears_leaves_no_old_checkpoint_a_resume_would_take(tmp_path, monkeypatch):
+    """--log.overwrite removes the old run's files one by one. Killed part way (kill -9, a node lost), the
+    relaunch with `auto` must not resume the old run's checkpoints under the history the kill half removed:
+    run.json goes first, so what is left is another run's, and refused."""
+    removed = []
+    real = launch._remove
+
+    def remove(path):
+        removed.append(os.path.basename(path))
+        real(path)
+        raise KeyboardInterrupt  # the kill, after one removal
+
+    finished_run(tmp_path)
+    (tmp_path / "run.json").write_text('{"run": "old", "line": "old", "from": 0}')
+    old = tmp_path / "checkpoints" / "step_00000004"
+    os.makedirs(old)
+    (old / "COMPLETE").write_text("4\n")
+    (old / "loop_state.json").write_text('{"steps_done": 4, "run": "old", "line": "old"}')
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "_remove", remove)
+    args = GRPOArgs()
+    args.log.run_dir, args.log.overwrite = str(tmp_path), True
+    with pytest.raises(KeyboardInterrupt):
+        launch.claim(args, None)
+    assert removed == ["run.json"] and (tmp_path / "metrics.jsonl").exists() and old.exists()
+    args.log.overwrite, args.checkpoint.resume = False, "auto"  # the relaunch
+    with pytest.raises(ConfigError, match=rf"holds another run's checkpoint \({old}, written by"):
+        launch.owned_checkpoints(args, launch.identity(str(tmp_path)))
+
+
 def test_overwrite_and_resume_together_are_refused():
     args = GRPOArgs()
     args.log.overwrite, args.checkpoint.resume = True, "auto"
