@@ -74,7 +74,7 @@ class RolloutConfig:
     min_tokens: int = 0
     """Fewest completion tokens (EOS is suppressed before that); benchmarks set it to --rollout.max-tokens."""
     temperature: float = 1.0
-    """Sampling temperature, in (0, 2] as vLLM takes it."""
+    """Sampling temperature, in [1e-05, 2]: vLLM samples greedily below 1e-05."""
     top_p: float = 1.0
     """Nucleus sampling: sample from the smallest set of tokens holding this much probability (1 = all)."""
     top_k: int = 0
@@ -364,8 +364,10 @@ def _check_run(args) -> None:
         if on and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{flag} needs {module}: pip install -e '.[{extra}]'")
     _check_run_dir(args)
-    if not 0 < r.temperature <= 2:  # vLLM refuses more, when the first step samples
-        raise ConfigError(f"--rollout.temperature={r.temperature} must be in (0, 2]")
+    if not 1e-5 <= r.temperature <= 2:  # vLLM refuses more, when the first step samples
+        raise ConfigError(f"--rollout.temperature={r.temperature} must be in [1e-05, 2]: below 1e-05 vLLM samples "
+                          "greedily (vllm/sampling_params.py, _SAMPLING_EPS), and a group of one prompt's same "
+                          "completion has nothing to learn from")
     if r.top_k < -1:
         raise ConfigError(f"--rollout.top-k={r.top_k} must be >= 1, or 0 (or -1) for every token")
     if not 0.0 < r.top_p <= 1.0:

@@ -225,7 +225,7 @@ BOUNDS = [
     (GRPOArgs, "rl.dual_clip", [0.0, 1.01, 3.0], [0.5, 1.0], 1, {}),
     (GRPOArgs, "rl.weight_decay", [0.0], [-0.01], 1, {}),
     (GRPOArgs, "rl.max_grad_norm", [0.0, 0.5], [-0.01], 1, {}),
-    (GRPOArgs, "rollout.temperature", [1e-3, 2.0], [0.0, 2.01], 1, {}),
+    (GRPOArgs, "rollout.temperature", [1e-5, 2.0], [0.0, 0.99e-5, 2.01], 1, {}),  # vLLM: greedy below 1e-5
     (GRPOArgs, "rollout.top_k", [-1, 0, 1], [-2], 1, {}),  # -1: verl's default, all tokens as for 0
     (GRPOArgs, "rollout.top_p", [1e-3, 1.0], [0.0, 1.01], 1, {}),
     (GRPOArgs, "rollout.gpu_memory_utilization", [1e-3, 1.0], [0.0, 1.01], 1, {}),
