@@ -291,6 +291,8 @@ def console_line(r: dict, total: int = 0, eta: float | None = None, first: bool 
             if first and key == "tokens_per_s":
                 label += " (incl. warm-up)"
             parts.append(f"{label} {v:.3g}" if isinstance(v, float) else f"{label} {v}")
+            if key == "eval_accuracy" and r.get("eval_version", step) != step:  # a streamed PPO's eval trails
+                parts[-1] += f" (version {r['eval_version']})"
     if eta is not None:
         parts.append(f"eta {_duration(eta)}")
     return " | ".join(parts)

@@ -96,6 +96,17 @@ def test_the_console_counts_steps_done_as_the_checkpoints_do():
     assert console_line({"step": 19, "reward_mean": 0.5}, 20).startswith("step   20/20 | ")
 
 
+def test_an_eval_of_another_version_than_its_lines_step_count_says_which_it_scored():
+    """Streamed PPO's rollout ranks score a version while the trainer goes on, so a step's line can carry an
+    older version's eval (the line after 3 steps, version 2's): the line says which, and stays as it was where
+    the eval is of the steps it counts (GRPO's always)."""
+    assert console_line({"step": 2, "reward_mean": 0.5, "eval_accuracy": 0.3, "eval_version": 2, "grad_norm": 1.0},
+                        3) == "step    3/3 | reward 0.5 | eval_acc 0.3 (version 2) | gnorm 1"
+    assert console_line({"step": 2, "reward_mean": 0.5, "eval_accuracy": 0.3, "eval_version": 3}, 3) == \
+        "step    3/3 | reward 0.5 | eval_acc 0.3"
+    assert console_line({"step": 3, "eval_accuracy": 0.25, "eval_version": 3}, 3) == "step    3/3 | eval_acc 0.25"
+
+
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     """The W&B run id is kept in the run directory; a resume passes it back with resume="allow"."""
     import types
