@@ -105,7 +105,7 @@ class JsonlTask:
                  prompt_key: str = "prompt"):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
-        self.prompt_key = prompt_key
+        self.prompt_key, self.seed, self._orders = prompt_key, seed, {}
         rows = self._read(path, "--task.path", limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
@@ -150,7 +150,16 @@ class JsonlTask:
         return ref.replace(",", "") if rewards.is_number(ref) else ref  # "1,000" -> "1000"; "Paris, TX" stays
 
     def train_problem(self, index: int) -> Problem:
-        return self.rows[index % len(self.rows)]
+        """Training row `index`: each pass over the rows (an epoch) in an order of its own, a pure function of
+        (seed, epoch), as TRL's and verl's samplers reshuffle every epoch (the same order each pass repeated
+        every batch's mix of prompts)."""
+        epoch, i = divmod(index, len(self.rows))
+        if epoch not in self._orders:  # the two newest: a streamed run's rollout ranks work across a boundary
+            order = list(range(len(self.rows)))
+            if epoch:  # the first pass: the rows as the seed shuffled them at load
+                random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
+        return self.rows[self._orders[epoch][i]]
 
 
 def _records(path: str, flag: str):

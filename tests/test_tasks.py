@@ -459,8 +459,26 @@ def test_a_jsonl_prompt_may_fill_the_budget_exactly_and_training_cycles_through_
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": "q" * 5 + str(i), "answer": str(i)}) + "\n" for i in range(4)))
     task = JsonlTask(str(f), 0, 0, tok=_Tok(), limit=6)  # every prompt is 6 characters, 6 tokens
-    assert [task.train_problem(i) for i in range(4, 8)] == [task.train_problem(i) for i in range(4)]
+    key = lambda p: p.prompt  # noqa: E731
+    assert sorted([task.train_problem(i) for i in range(4, 8)], key=key) == sorted([task.train_problem(i)
+                                                                                   for i in range(4)], key=key)
     assert len({task.train_problem(i).prompt for i in range(4)}) == 4
+
+
+def test_each_epoch_takes_every_training_row_once_in_an_order_of_its_own_the_seeds(tmp_path):
+    """As TRL's and verl's samplers: a new order each pass over the rows, so batches do not repeat their mix of
+    prompts epoch after epoch; a pure function of (seed, index), so a resumed run, or a rollout rank asking
+    across an epoch's end and back, gets the same rows."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    task, again = JsonlTask(str(f), 0, 0), JsonlTask(str(f), 0, 0)
+    epochs = [[task.train_problem(e * 20 + i).prompt for i in range(20)] for e in range(3)]
+    assert epochs[0] == [p.prompt for p in task.rows]  # the first pass: the rows as loaded (shuffled by the seed)
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs) and len(set(epochs[0])) == 20
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    back_and_forth = [again.train_problem(i).prompt for i in (45, 5, 25, 59, 19, 40)]  # epochs 2, 0, 1, 2, 0, 2
+    assert back_and_forth == [epochs[i // 20][i % 20] for i in (45, 5, 25, 59, 19, 40)]
+    assert [JsonlTask(str(f), 1, 0).train_problem(20 + i).prompt for i in range(20)] != epochs[1]
 
 
 def test_a_bad_parquet_row_is_named_by_its_number(tmp_path):
