@@ -46,6 +46,12 @@ class Run:
         if args.model.path != TINY and args.rollout.max_tokens == RolloutConfig.max_tokens:
             self.info(f"warning: --rollout.max-tokens={args.rollout.max_tokens} suits the built-in task's one-digit "
                       "answers; a completion cut there earns nothing (TRL 1.x and verl default to 512 tokens)")
+        cut = [f for f, on in (("--rollout.top-p", args.rollout.top_p < 1), ("--rollout.top-k", args.rollout.top_k > 0),
+                               ("--rollout.min-tokens", args.rollout.min_tokens > 0)) if on]
+        if opt.use_rollout_logprobs_for_loss and cut:  # vLLM's processed logprobs: of the distribution it sampled
+            self.info(f"warning: --{group}.use-rollout-logprobs-for-loss takes pi_old from the engine, whose logprobs "
+                      f"are of the distribution {' and '.join(cut)} cut and renormalized; the trainer's are of the "
+                      "whole one, so every ratio starts off 1 (the step's logprob_gap says by how much)")
         self.stop = dist.sigterm_flag()
         self.record = dict(self.log.last_eval)  # the newest record; a resumed run's newest eval until a step's
         self.logged_eval = self.log.last_eval.get("eval_version", -1)  # the newest eval version logged (rank 0)

@@ -129,6 +129,30 @@ def test_a_pretrained_model_at_the_built_in_tasks_token_cap_gets_a_warning(tmp_p
         assert any(line.startswith("warning: --rollout.max-tokens=8 suits the built-in task") for line in said) == warned
 
 
+def test_pi_old_from_the_engine_under_a_cut_distribution_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
+    """vLLM's logprobs are of the distribution it sampled from (top-p, top-k and min-tokens cut it and
+    renormalize): at --rollout.top-p 0.5 the tiny model's were 0.25 nats a token above the trainer's. Taken as
+    pi_old, every ratio starts near 0.78, past a 0.2 clip: one line says so; the trainer's own pi_old, or the
+    whole distribution, none."""
+    from minirl.logger import RunLog
+    said = []
+    monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
+    for cls, group in ((GRPOArgs, "rl"), (PPOArgs, "ppo")):
+        for flag, value, engine, warned in [("top_p", 0.5, True, True), ("top_k", 20, True, True),
+                                            ("min_tokens", 2, True, True), ("top_p", 0.5, False, False),
+                                            ("top_p", 1.0, True, False)]:
+            args = cls()
+            args.log.run_dir = str(tmp_path)
+            setattr(args.rollout, flag, value)
+            getattr(args, group).use_rollout_logprobs_for_loss = engine
+            said.clear()
+            Run(ready_for(args, tiny_path), world, "a test", rows=8)
+            lines = [line for line in said if "logprobs-for-loss takes pi_old from the engine" in line]
+            assert bool(lines) == warned, (cls, flag, value, engine, said)
+            assert all(f"--{group}.use-rollout" in line and f"--rollout.{flag.replace('_', '-')}" in line
+                       for line in lines)
+
+
 def test_a_first_ctrl_c_during_the_final_export_is_told_the_export_finishes(tmp_path, tiny_path, world, capfd):
     """Past the last step a first Ctrl-C saves no checkpoint: it was told "saving a checkpoint at the end of this
     step", and the export went on to the end as it does."""
