@@ -10,7 +10,7 @@
 - `run(name, main, argv)`: every command goes through it: exit 0; 2 with one line for a bad flag,
   file or checkpoint, or a reward past its timeout; 1 for a failed reward function; 3 for a run that
   can no longer learn; 4 for a lost peer; 130 for a Ctrl-C and 143 for a SIGTERM that stop at once (before
-  the steps, or a second one).
+  the steps, or a second one). Under torchrun a failure's line is also what torchrun's summary shows.
 """
 
 from __future__ import annotations
@@ -103,33 +103,45 @@ def on_meta(path: str, kinds: tuple[str, ...]) -> dict:
 
 def run(name: str, main, argv: list[str] | None = None) -> None:
     """Run `main(argv)` as a command: exit codes and one-line errors (the module docstring)."""
-    code = 0
+    code, said = 0, ""
     try:
         main(argv)
     # a bad flag, file or checkpoint (exit 2), or a failed reward function (its error's code): one line, no traceback
     except (ConfigError, checkpoint.CheckpointError, rewards.RewardError) as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        code = getattr(e, "code", 2)
+        said, code = f"{name}: error: {e}", getattr(e, "code", 2)
     except KeyboardInterrupt:  # a Ctrl-C before the steps (the build, a resume's load), a second one, or a tool's
-        print(f"{name}: interrupted (Ctrl-C)", file=sys.stderr)
-        code = 130
+        said, code = f"{name}: interrupted (Ctrl-C)", 130
     except SystemExit as e:  # a SIGTERM before the steps, or a second one (dist.sigterm_flag): one line
         if e.code != 128 + signal.SIGTERM:
             raise
-        print(f"{name}: stopped by SIGTERM", file=sys.stderr)
-        code = e.code
+        said, code = f"{name}: stopped by SIGTERM", e.code
     except StalledError as e:  # the run can no longer learn: say why, no traceback
-        print(f"{name}: stopped: {e}", file=sys.stderr)
-        code = 3
+        said, code = f"{name}: stopped: {e}", 3
     except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
         lost = dist.lost_peer(e)
         if lost is None:
             raise
-        print(f"{name}: error: {lost}", file=sys.stderr)
-        code = 4
+        said, code = f"{name}: error: {lost}", 4
     finally:
+        if said:
+            print(said, file=sys.stderr)
+        if said and code not in (130, 128 + signal.SIGTERM):  # a stop (torchrun's own, of the others) is no cause
+            error_file(said)
         dist.shutdown()
     leave(code)
+
+
+def error_file(line: str) -> None:
+    """Under torchrun, a failure's line goes to the worker's error file (TORCHELASTIC_ERROR_FILE) too: torchrun's
+    failure summary, the last thing a multi-process launch prints, shows it as the worker's `traceback` (it said
+    only "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
 
 
 def leave(code: int) -> None:

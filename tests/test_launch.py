@@ -601,9 +601,11 @@ def test_a_config_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     (RuntimeError("[/gloo/pair.cc:534] Connection closed by peer [10.0.0.2]:41234"), 4,
      "minirl.grpo: error: this rank lost a peer: Connection closed by peer [10.0.0.2]:41234"),
 ], ids=["done", "flag", "reward", "reward-timeout", "ctrl-c", "sigterm", "stalled", "lost-peer"])
-def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code, line):
+def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, capsys, tmp_path, error, code, line):
     """launch.run: one line on stderr, no traceback, and the exit code the module docstring lists (a run that
-    ends well: 0 and nothing on stderr); the process group is shut down on every way out."""
+    ends well: 0 and nothing on stderr); the process group is shut down on every way out. Under torchrun a
+    failure's line is the worker's error file too (what torchrun's summary shows); a stop's is not (torchrun
+    stops the other workers itself: their lines are no cause)."""
     from minirl import dist, rewards
     from minirl.accumulator import StalledError
     error = {"reward": rewards.RewardError("m:f", "'abc'", "ValueError: no"),
@@ -618,8 +620,25 @@ def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, caps
         if error is not None:
             raise error
 
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     launch.run("minirl.grpo", main, [])
     assert ended == ["shutdown", code] and capsys.readouterr().err.splitlines() == ([line] if line else [])
+    told = json.loads((tmp_path / "error.json").read_text())["message"] if code not in (0, 130, 143) else None
+    assert told == (None if code in (0, 130, 143) else line) and (tmp_path / "error.json").exists() == bool(told)
+
+
+def test_torchruns_failure_summary_shows_the_ranks_one_line():
+    """A bad flag combination under torchrun: each rank says it in one line, and torchrun's summary of the
+    failure (the last lines of the launch) shows that line as each failed rank's `traceback`, where it
+    pointed to torch's docs on how to record one."""
+    p = run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+             "-m", "minirl.ppo", "--grid.gpu-placement", "colocated", "--ppo.num-prompts-per-step", "4",
+             "--async-rl.min-groups-for-streaming-train", "2"], timeout=300)
+    line = ("minirl.ppo: error: PPO streaming needs separate generation ranks: use --grid.gpu-placement "
+            "disaggregated, or full batch colocated with --async-rl.min-groups-for-streaming-train=4")
+    assert p.returncode != 0 and p.stderr.count(line) >= 3, p.stderr[-3000:]
+    summary = p.stderr[p.stderr.index("Root Cause"):]
+    assert f"traceback : {line}" in summary and "To enable traceback" not in p.stderr
 
 
 def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch):
