@@ -119,7 +119,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         said, code = f"{name}: stopped: {e}", 3
     except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
         lost = dist.lost_peer(e)
-        if lost is None:
+        if lost is None:  # any other error keeps its traceback; torchrun's summary shows the error's first line
+            first = (str(e).splitlines() or [""])[0]
+            error_file(f"{type(e).__name__}: {first}")
             raise
         said, code = f"{name}: error: {lost}", 4
     finally:

@@ -641,18 +641,21 @@ def test_torchruns_failure_summary_shows_the_ranks_one_line():
     assert f"traceback : {line}" in summary and "To enable traceback" not in p.stderr
 
 
-def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch):
+def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch, tmp_path):
     from minirl import dist
     ended = []
     monkeypatch.setattr(dist, "shutdown", lambda: ended.append("shutdown"))
     monkeypatch.setattr(launch, "leave", lambda c: ended.append(c))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # torchrun's summary: the first line
 
     def main(argv):
-        raise RuntimeError("CUDA out of memory")
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(more on another line)")
 
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         launch.run("minirl.grpo", main, [])
     assert ended == ["shutdown"]
+    told = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert told == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
 def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tmp_path):
