@@ -157,6 +157,9 @@ class TaskConfig:
                     shards = os.path.join(os.path.dirname(inside[0]), re.sub(r"-\d+-of-\d+", "-*",
                                                                              os.path.basename(inside[0])))
                     what = f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern ({shards!r})"
+                elif re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path):  # TRL's --dataset_name
+                    what = (f"no local file; as a hub dataset's name, download it first (hf download --repo-type "
+                            f"dataset {path} --local-dir data/{path.split('/')[1]}) and name its files")
                 raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL, Parquet or Arrow file"
                                   + (" or use --task.name count" if needed else " or leave it empty"))
         self.template_kwargs()

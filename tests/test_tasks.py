@@ -330,7 +330,10 @@ def test_a_pattern_reads_a_hub_datasets_shards_in_name_order_and_a_folder_is_tol
     assert data_files(cfg.path) == [str(shard), str(data / "train-00001-of-00002.parquet")]
     for path, says in ((tmp_path / "hub", f"is a folder: name a file in it ({str(shard)!r}) or its shards by a "
                                           f"quoted pattern ({str(data / 'train-*.parquet')!r})"),
-                       (data / "valid-*.parquet", "is not a file, nor a pattern that matches one")):
+                       (data / "valid-*.parquet", "is not a file, nor a pattern that matches one"),
+                       # TRL's --dataset_name, verl's hub path: minirl reads files, and says how to fetch them
+                       ("openai/gsm8k", "is no local file; as a hub dataset's name, download it first (hf download "
+                                        "--repo-type dataset openai/gsm8k --local-dir data/gsm8k) and name its files")):
         with pytest.raises(ConfigError, match=re.escape(f"--task.path={str(path)!r} {says}; give a JSONL")):
             TaskConfig(name="jsonl", path=str(path)).check()
     with pytest.raises(ConfigError, match=r"--task.eval-path='nope\*' is not a file.* or leave it empty"):
