@@ -57,8 +57,13 @@ class RunLog:
                 run_id = uuid.uuid4().hex[:12]  # W&B takes any id of [a-z0-9]; wandb.util.generate_id is gone in 0.2x
                 with open(id_file, "w") as f:
                     f.write(run_id)
-            self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config or {}, id=run_id,
-                                     resume="allow")
+            try:
+                self._wandb = wandb.init(project=wandb_project, dir=run_dir, config=config or {}, id=run_id,
+                                         resume="allow")
+            except wandb.errors.Error as e:  # no API key (and no terminal to ask for one), W&B unreachable
+                raise ConfigError(f"--log.wandb-project={wandb_project!r}: W&B did not start ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]}); log in (wandb login, or WANDB_API_KEY), or keep the "
+                                  "run's W&B logs in files with WANDB_MODE=offline (wandb sync uploads them)") from e
             # W&B drops what is logged below its newest step; a streamed run's late eval and a resumed run's
             # steps come out of order, so its charts run on the records' own `step` instead
             self._wandb.define_metric("step")

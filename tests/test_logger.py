@@ -120,6 +120,24 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert [(kw["id"], kw["resume"]) for kw in inits] == [(first, "allow"), (first, "allow")]
 
 
+def test_wandb_without_an_api_key_is_one_line_naming_the_flag_and_the_ways_on(tmp_path, monkeypatch):
+    """The real `wandb` where nobody logged in (a fresh cluster account): it raised its UsageError through the run
+    (a traceback from rank 0); now one line names the flag, W&B's reason, logging in and offline mode."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # W&B keeps its settings in the process: an earlier test's offline mode would log in "offline"
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings of the machine's user
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    with pytest.raises(ConfigError, match=r"^--log.wandb-project='p': W&B did not start \(UsageError: No API key "
+                                          r".*\); log in \(wandb login, or WANDB_API_KEY\), or .*WANDB_MODE=offline"):
+        try:
+            RunLog(str(tmp_path / "run"), enabled=True, wandb_project="p")
+        finally:
+            wandb.teardown()  # and this test's settings leave with it
+
+
 def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch, capfd):
     """The real `wandb` (the [wandb] extra; skipped where it is not installed), offline: a run starts,
     logs its steps and finishes (the id helper it once used, wandb.util.generate_id, is gone). A record
