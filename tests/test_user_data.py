@@ -175,14 +175,16 @@ def test_the_chat_templates_variables_reach_it_as_trl_and_verl_pass_them(chat_mo
 
 
 def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verls_function(chat_model, tmp_path,
-                                                                                           capsys):
+                                                                                           capsys, monkeypatch):
     """verl picks a row's score by its `data_source` (MATH's `\\boxed{}`, DAPO's `Answer:`); the built-in reward reads
     GSM8K's `#### N` and paid 0 on every row of such a file without a word until the tenth batch. The load says
     where verl's scorer is (math_reward.py and math_dapo.py of verl/utils/reward_score/ run here as they are);
-    GSM8K rows, or a --task.reward, are told nothing."""
+    GSM8K rows, or a --task.reward, are told nothing, and a launch's other ranks say nothing."""
     tok = load_tokenizer(str(chat_model))
-    for source, reward, said in (("lighteval/MATH", [], True), ("openai/gsm8k", [], False),
-                                 ("lighteval/MATH", ["minirl.rewards:gsm8k"], False)):
+    for source, reward, rank, said in (("lighteval/MATH", [], "0", True), ("openai/gsm8k", [], "0", False),
+                                       ("lighteval/MATH", ["minirl.rewards:gsm8k"], "0", False),
+                                       ("lighteval/MATH", [], "1", False)):
+        monkeypatch.setenv("RANK", rank)
         rows = [{**r, "data_source": source} for r in verl_rows(10, "train")]
         data = write_jsonl(tmp_path / "rows.jsonl", rows)
         make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=reward), 0, tok, 32)
@@ -192,13 +194,16 @@ def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verl
 
 
 def test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_they_are(chat_model, tmp_path,
-                                                                                          capsys):
+                                                                                          capsys, monkeypatch):
     """An instruct model given a raw question (GSM8K as the hub keeps it, by --task.prompt-key question) answered
     nothing or noise (SmolLM2-135M-Instruct: '' and 'Quadratic equation: ...'), and no reward paid; the load says
-    that text prompts get no chat template. Chat prompts, or a model without a template, are told nothing."""
+    that text prompts get no chat template. Chat prompts, or a model without a template, are told nothing; the
+    other ranks of a launch say nothing (the first says it once)."""
     tok = load_tokenizer(str(chat_model))
     texts = [{"prompt": p.prompt, "answer": p.answer} for p in problems(10)]
-    for rows, template, said in ((texts, True, True), (trl_rows(10), True, False), (texts, False, False)):
+    for rows, template, rank, said in ((texts, True, "0", True), (trl_rows(10), True, "0", False),
+                                       (texts, False, "0", False), (texts, True, "1", False)):
+        monkeypatch.setenv("RANK", rank)
         data = write_jsonl(tmp_path / "rows.jsonl", rows)
         make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0), 0, tok if template else None, 32)
         out = capsys.readouterr().out
