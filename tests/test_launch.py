@@ -628,17 +628,17 @@ def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, caps
 
 
 def test_torchruns_failure_summary_shows_the_ranks_one_line():
-    """A bad flag combination under torchrun: each rank says it in one line, and torchrun's summary of the
-    failure (the last lines of the launch) shows that line as each failed rank's `traceback`, where it
-    pointed to torch's docs on how to record one."""
+    """A bad flag combination under torchrun: a rank says it in one line, and torchrun's summary of the failure
+    (the last lines of the launch) shows that line as the failed rank's `traceback`, where it pointed to torch's
+    docs on how to record one (a rank torchrun stopped first is said to have had its SIGTERM)."""
     p = run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
              "-m", "minirl.ppo", "--grid.gpu-placement", "colocated", "--ppo.num-prompts-per-step", "4",
              "--async-rl.min-groups-for-streaming-train", "2"], timeout=300)
     line = ("minirl.ppo: error: PPO streaming needs separate generation ranks: use --grid.gpu-placement "
             "disaggregated, or full batch colocated with --async-rl.min-groups-for-streaming-train=4")
-    assert p.returncode != 0 and p.stderr.count(line) >= 3, p.stderr[-3000:]
-    summary = p.stderr[p.stderr.index("Root Cause"):]
-    assert f"traceback : {line}" in summary and "To enable traceback" not in p.stderr
+    assert p.returncode != 0 and p.stderr.count(line) >= 2, p.stderr[-3000:]  # a rank's own, and the summary's
+    summary = p.stderr[p.stderr.index("minirl.ppo FAILED"):]  # torchrun may stop one rank before it says its line
+    assert f"traceback : {line}" in summary and "To enable traceback" not in summary, summary
 
 
 def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monkeypatch, tmp_path):
