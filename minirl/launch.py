@@ -127,8 +127,8 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     finally:
         if said:
             print(said, file=sys.stderr)
-        if said and code not in (130, 128 + signal.SIGTERM):  # a stop (torchrun's own, of the others) is no cause
-            error_file(said)
+            if code not in (130, 128 + signal.SIGTERM):  # a stop (torchrun's own, of the others) is no cause
+                error_file(said)
         dist.shutdown()
     leave(code)
 
