@@ -189,9 +189,7 @@ def claim(args, resume: str | None) -> dict:
     both: the locks die with it); returns the run's identity (`identity`), begun or continued (`begin`). Under
     disaggregated placement the other ranks wait for it (refit.share_claim) before they touch either folder."""
     d = args.log.run_dir
-    os.makedirs(d, exist_ok=True)
     lock(d, "--log.run-dir")
-    os.makedirs(args.checkpoint_dir, exist_ok=True)
     lock(args.checkpoint_dir, "--checkpoint.dir")
     if args.log.overwrite:
         clear(d, args.checkpoint_dir)
@@ -233,10 +231,16 @@ def begin(args, resume: str | None) -> dict:
 
 
 def lock(folder: str, flag: str = "--log.run-dir") -> None:
+    """Make `folder` (`flag`'s) and hold its lock for this process's life, or a ConfigError naming the flag."""
     path = os.path.abspath(os.path.join(folder, ".lock"))
     if path in _held:
         return
-    f = open(path, "a+")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:  # under a file, on a read-only or full disk, not ours to write
+        raise ConfigError(f"{flag}={folder!r} cannot be written ({e.strerror or e}); give a folder you can write") \
+            from e
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

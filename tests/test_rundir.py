@@ -88,6 +88,18 @@ def test_a_launch_killed_while_overwrite_clears_leaves_no_old_checkpoint_a_resum
         launch.owned_checkpoints(args, launch.identity(str(tmp_path)))
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line_naming_its_flag(tmp_path, monkeypatch):
+    """--checkpoint.dir under a file (or on a read-only disk, in a folder not ours) failed in the claim with
+    os.makedirs' traceback; --log.run-dir's parent is checked with the flags, the made folder here too."""
+    (tmp_path / "notes.txt").write_text("a file")
+    monkeypatch.delenv("RANK", raising=False)
+    args = GRPOArgs()
+    args.log.run_dir, args.checkpoint.dir = str(tmp_path / "run"), str(tmp_path / "notes.txt" / "ckpts")
+    with pytest.raises(ConfigError, match=rf"^--checkpoint.dir='{tmp_path}/notes.txt/ckpts' cannot be written "
+                                          r"\(Not a directory\); give a folder you can write$"):
+        launch.claim(args, None)
+
+
 def test_overwrite_and_resume_together_are_refused():
     args = GRPOArgs()
     args.log.overwrite, args.checkpoint.resume = True, "auto"
