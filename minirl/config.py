@@ -94,6 +94,11 @@ class RolloutConfig:
         return self.max_prompt_tokens + self.max_tokens
 
 
+def hub_name(text: str) -> bool:
+    """Whether `text` reads as a Hugging Face hub repository's name, `owner/name`."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+
+
 def data_files(path: str) -> list[str]:
     """The files --task.path or --task.eval-path names: the file itself, or every file a pattern matches, in
     name order."""
@@ -157,7 +162,7 @@ class TaskConfig:
                     shards = os.path.join(os.path.dirname(inside[0]), re.sub(r"-\d+-of-\d+", "-*",
                                                                              os.path.basename(inside[0])))
                     what = f"a folder: name a file in it ({inside[0]!r}) or its shards by a quoted pattern ({shards!r})"
-                elif re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path):  # TRL's --dataset_name
+                elif hub_name(path) and not os.path.exists(path):  # TRL's --dataset_name
                     what = (f"no local file; as a hub dataset's name, download it first (hf download --repo-type "
                             f"dataset {path} --local-dir data/{path.split('/')[1]}) and name its files")
                 raise ConfigError(f"{flag}={path!r} is {what}; give a JSONL, Parquet or Arrow file"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl import batch
 from minirl.batch import Layout
-from minirl.config import TINY, ConfigError, ModelConfig
+from minirl.config import TINY, ConfigError, ModelConfig, hub_name
 
 
 def resolve_path(cfg: ModelConfig) -> str:
@@ -32,7 +31,7 @@ def resolve_path(cfg: ModelConfig) -> str:
     if os.path.isdir(cfg.path):
         check_folder(cfg.path)
         return cfg.path
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+    if not hub_name(cfg.path):
         raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name "
                           f"like Qwen/Qwen2.5-0.5B-Instruct, or `{TINY}` for the built-in model")
     try:

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable
 
-from minirl.config import ConfigError
+from minirl.config import ConfigError, hub_name
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _STRICT = re.compile(r"####[ \t]*(\S[^\n]*)")  # a text answer on the marker's own line
@@ -126,7 +126,7 @@ def load(spec: str) -> Callable:
     imported with the working directory on the path; a ConfigError says what is wrong."""
     module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     # TRL also takes a reward model by its hub name
-    if ":" not in spec and not spec.endswith(".py") and re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+    if ":" not in spec and not spec.endswith(".py") and hub_name(spec):
         raise ConfigError(f"--task.reward={spec!r} names a model, not a function: minirl runs reward functions; "
                           "score with the model inside a function of your own (module:function)")
     if not module or not name or spec.endswith(".py"):

@@ -22,13 +22,12 @@ import inspect
 import json
 import math
 import os
-import re
 import weakref
 
 import torch
 
 from minirl import dist, models, rewards
-from minirl.config import TINY, ConfigError
+from minirl.config import TINY, ConfigError, hub_name
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
 from minirl.rollout import check_model, with_sizes
@@ -63,7 +62,7 @@ def model_config(cfg) -> tuple[dict | None, str]:
                 "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
                 "max_position_embeddings": t.max_positions, "tie_word_embeddings": True}, "the built-in tiny model"
     found = os.path.join(cfg.path, "config.json") if os.path.isdir(cfg.path) else None
-    if found is None and re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+    if found is None and hub_name(cfg.path):
         try:
             from huggingface_hub import try_to_load_from_cache
             hit = try_to_load_from_cache(cfg.path, "config.json")  # local cache only, no network
@@ -71,7 +70,7 @@ def model_config(cfg) -> tuple[dict | None, str]:
         except Exception:
             found = None
     if found is None or not os.path.isfile(found):
-        if not os.path.isdir(cfg.path) and not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.path):
+        if not os.path.isdir(cfg.path) and not hub_name(cfg.path):
             raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name, "
                               f"or `{TINY}`")
         return None, cfg.path
