@@ -138,6 +138,22 @@ def test_wandb_without_an_api_key_is_one_line_naming_the_flag_and_the_ways_on(tm
             wandb.teardown()  # and this test's settings leave with it
 
 
+def test_a_wandb_error_without_a_message_is_still_one_line(tmp_path, monkeypatch):
+    """W&B's errors name their reason, but one raised bare is said by its class alone, not an IndexError."""
+    import types
+
+    class Refused(Exception):
+        pass
+
+    def init(**kw):
+        raise Refused()
+
+    fake = types.SimpleNamespace(init=init, errors=types.SimpleNamespace(Error=Refused))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with pytest.raises(ConfigError, match=r"^--log.wandb-project='p': W&B did not start \(Refused: \); log in"):
+        RunLog(str(tmp_path), enabled=True, wandb_project="p")
+
+
 def test_wandb_runs_offline_with_the_real_package(tmp_path, monkeypatch, capfd):
     """The real `wandb` (the [wandb] extra; skipped where it is not installed), offline: a run starts,
     logs its steps and finishes (the id helper it once used, wandb.util.generate_id, is gone). A record
