@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 from minirl import dist
+from minirl.config import first_line
 
 MARKER = "COMPLETE"
 
@@ -257,7 +258,7 @@ def _errors(e: BaseException) -> list[BaseException]:
 
 
 def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # DCP's embed whole tracebacks
+    return f"{type(e).__name__}: {first_line(e)[:200]}"  # DCP's embed whole tracebacks
 
 
 def _moments(optimizer) -> list[torch.Tensor]:

@@ -94,6 +94,11 @@ class RolloutConfig:
         return self.max_prompt_tokens + self.max_tokens
 
 
+def first_line(e: BaseException) -> str:
+    """An error's message for a one-line report: its first line ("" when it has none)."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def hub_name(text: str) -> bool:
     """Whether `text` reads as a Hugging Face hub repository's name, `owner/name`."""
     return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None

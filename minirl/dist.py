@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from minirl.config import ConfigError
+from minirl.config import ConfigError, first_line
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def lost_peer(e: BaseException) -> PeerLost | None:
     operation, gloo's "Connection closed/reset by peer [addr]:port" in a collective), else None."""
     if isinstance(e, PeerLost):
         return e
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e) or type(e).__name__
     network = isinstance(e, dist.DistNetworkError) or any(
         w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
     if not network:

@@ -21,7 +21,7 @@ import tyro
 import yaml
 from tyro import _docstrings
 
-from minirl.config import ConfigError
+from minirl.config import ConfigError, first_line
 
 MAX_CONFIG_BYTES = 64 << 10  # a recipe is a few KiB; PyYAML takes seconds per 100 KiB of a long list
 MAX_CONFIG_DEPTH = 32
@@ -75,7 +75,7 @@ def _read(path: str) -> dict:
         raise ConfigError(f"--config={path!r}: {e}") from None
     except Exception as e:
         raise ConfigError(f"--config={path!r}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'} "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from e
+                          f"({type(e).__name__}: {first_line(e)[:160]})") from e
     if not isinstance(data, dict):
         raise ConfigError(f"--config={path!r}: expected a mapping of flags, got a {type(data).__name__}")
     return data

@@ -32,7 +32,7 @@ import torch
 
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
-from minirl.config import TINY, ConfigError, holds_run
+from minirl.config import TINY, ConfigError, first_line, holds_run
 from minirl.flags import parse
 from minirl.rollout import check_model, check_reloads
 
@@ -120,8 +120,7 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
     except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
         lost = dist.lost_peer(e)
         if lost is None:  # any other error keeps its traceback; torchrun's summary shows the error's first line
-            first = (str(e).splitlines() or [""])[0]
-            error_file(f"{type(e).__name__}: {first}")
+            error_file(f"{type(e).__name__}: {first_line(e)}")
             raise
         said, code = f"{name}: error: {lost}", 4
     finally:

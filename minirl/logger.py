@@ -21,7 +21,7 @@ import uuid
 import torch
 
 from minirl import dist
-from minirl.config import ConfigError
+from minirl.config import ConfigError, first_line
 
 
 class RunLog:
@@ -62,7 +62,7 @@ class RunLog:
                                          resume="allow")
             except wandb.errors.Error as e:  # no API key (and no terminal to ask for one), W&B unreachable
                 raise ConfigError(f"--log.wandb-project={wandb_project!r}: W&B did not start ({type(e).__name__}: "
-                                  f"{(str(e).splitlines() or [''])[0]}); log in (wandb login, or WANDB_API_KEY), or keep the "
+                                  f"{first_line(e)}); log in (wandb login, or WANDB_API_KEY), or keep the "
                                   "run's W&B logs in files with WANDB_MODE=offline (wandb sync uploads them)") from e
             # W&B drops what is logged below its newest step; a streamed run's late eval and a resumed run's
             # steps come out of order, so its charts run on the records' own `step` instead

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl import batch
 from minirl.batch import Layout
-from minirl.config import TINY, ConfigError, ModelConfig, hub_name
+from minirl.config import TINY, ConfigError, ModelConfig, first_line, hub_name
 
 
 def resolve_path(cfg: ModelConfig) -> str:
@@ -39,7 +39,7 @@ def resolve_path(cfg: ModelConfig) -> str:
         folder = snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # offline, unknown repo, gated...
         raise ConfigError(f"--model.path={cfg.path!r}: there is no local folder of that name, and as a hub name it "
-                          f"could not be fetched ({type(e).__name__}: {str(e).splitlines()[0][:160]}); give an "
+                          f"could not be fetched ({type(e).__name__}: {first_line(e)[:160]}); give an "
                           "existing local folder or download the model elsewhere") from e
     check_folder(folder)
     return folder

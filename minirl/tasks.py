@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minirl import dist, rewards
-from minirl.config import ConfigError, TaskConfig, TinyModelConfig, data_files
+from minirl.config import ConfigError, TaskConfig, TinyModelConfig, data_files, first_line
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
 
@@ -183,7 +183,7 @@ def _records(path: str, flag: str):
                 with pyarrow.memory_map(path) as source:
                     table = pyarrow.ipc.open_stream(source).read_all()
         except pyarrow.ArrowException as e:  # cut short (a download that stopped), or another format
-            why = (str(e).splitlines() or [type(e).__name__])[0]
+            why = first_line(e) or type(e).__name__
             raise ConfigError(f"{flag}={path!r}: not a readable {kind} file ({why})") from e
         for n, r in enumerate(table.to_pylist(), 1):
             yield f"{flag}: {path}: row {n}", r
