@@ -34,7 +34,7 @@ from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
 from minirl.config import TINY, ConfigError, first_line, holds_run
 from minirl.flags import parse
-from minirl.rollout import check_model, check_reloads
+from minirl.rollout import check_model, check_reloads, meta_model
 
 
 @dataclass
@@ -93,9 +93,9 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
 def on_meta(path: str, kinds: tuple[str, ...]) -> dict:
     """The models of `kinds` (a loop's checkpoint parts) built on the meta device from config.json: names
     and shapes, no weights, for a resume's shape check."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel
     config = AutoConfig.from_pretrained(path)
-    build = {"policy": lambda: AutoModelForCausalLM.from_config(config),
+    build = {"policy": lambda: meta_model(path),  # as the engine's weight sync builds it
              "value": lambda: models.ValueModel(AutoModel.from_config(config), config.hidden_size)}
     with torch.device("meta"):
         return {kind: build[kind]() for kind in kinds}
