@@ -135,7 +135,7 @@ class JsonlTask:
                 rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
         for i in range(0, len(rows) if self.tok is not None and limit else 0, 1024):
             # 1,024 prompts a tokenizer call: one call a row spent 0.3 ms in transformers, most of a big file's load
-            ids = self.tok([p.prompt for p in rows[i:i + 1024]], add_special_tokens=False).input_ids
+            ids = prompt_ids(self.tok, [p.prompt for p in rows[i:i + 1024]])
             over = next((i + j for j, x in enumerate(ids) if len(x) > limit), None)
             if over is not None:  # its place, found by reading again (not kept for a million rows on every rank)
                 again = (record for f in data_files(path) for record in _records(f, flag))
@@ -279,11 +279,24 @@ def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by
         opt.step()
 
 
-def encode_prompt(tok, text: str, limit: int) -> list[int]:
-    """Token ids of a prompt; a prompt over the engine's prompt budget is an error, never cut."""
-    ids = tok(text, add_special_tokens=False).input_ids
-    if len(ids) > limit:
-        raise ValueError(f"a prompt has {len(ids)} tokens, over --rollout.max-prompt-tokens={limit}")
+def prompt_ids(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of prompts as the engine is given them: each begins with the special tokens its tokenizer puts
+    before a text (Llama's and Mistral's `<s>`, Gemma's `<bos>`; Qwen's and GPT-2's put none), once, whether a
+    chat template wrote them or not. Without them such a model reads every prompt out of distribution (Gemma
+    writes garbage: TRL's add_special_tokens=False, its issue 3520); vLLM's own text prompts have them."""
+    with_them, bare = tok("a").input_ids, tok("a", add_special_tokens=False).input_ids
+    start = next((i for i in range(len(with_them)) if with_them[i:i + len(bare)] == bare), 0)
+    lead = with_them[:start]  # the tokens before the text's own (any after them, an EOS, are not a prompt's)
+    ids = tok(texts, add_special_tokens=False).input_ids
+    return [x if x[:len(lead)] == lead else lead + x for x in ids]
+
+
+def encode_prompts(tok, texts: list[str], limit: int) -> list[list[int]]:
+    """`prompt_ids` of prompts; a prompt over the engine's prompt budget is an error, never cut."""
+    ids = prompt_ids(tok, texts)
+    longest = max(map(len, ids), default=0)
+    if longest > limit:
+        raise ValueError(f"a prompt has {longest} tokens, over --rollout.max-prompt-tokens={limit}")
     return ids
 
 
@@ -292,7 +305,7 @@ def scored(engine, task, tok, problems: list[Problem], ids: list[int], group_siz
     """Prompts -> completions -> rewards, for both loops and the evals, at loop `step` (an eval's: the version
     it scores): (samples, rewards [row], each function's values [function][row]); row i*G + j is completion j
     of problem i."""
-    prompts = [encode_prompt(tok, q.prompt, limit) for q in problems]
+    prompts = encode_prompts(tok, [q.prompt for q in problems], limit)
     samples = engine.generate(prompts, ids, group_size, greedy=greedy)
     texts = tok.batch_decode(samples.completion_tokens, skip_special_tokens=True)
     rows = [q for q in problems for _ in range(group_size)]

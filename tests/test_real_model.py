@@ -18,7 +18,7 @@ from conftest import ROOT, run
 from minirl import models
 from minirl.config import RolloutConfig, TaskConfig
 from minirl.rollout import Engine
-from minirl.tasks import encode_prompt, make_task
+from minirl.tasks import encode_prompts, make_task
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def test_chat_prompts_render_and_the_trainer_packs_and_chunks_the_tied_head_as_t
     policy = models.sharded(smollm2_path, "policy", world, "float32", True)
     assert policy.pack_rows and policy.chunked_head and policy.config.tie_word_embeddings
     assert policy.get_output_embeddings().weight is policy.get_input_embeddings().weight
-    rows = [encode_prompt(tok, q.prompt, 96) for q in task.rows[:3]]
+    rows = encode_prompts(tok, [q.prompt for q in task.rows[:3]], 96)
     T = max(map(len, rows))
     ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
     with torch.no_grad():
@@ -73,7 +73,7 @@ def test_vllm_generates_this_llama_and_its_logprobs_are_the_trainers(smollm2_pat
     engine = Engine(smollm2_path, RolloutConfig(max_tokens=8, kv_cache_gib=1), max_model_len=104,
                     device=world.device, seed=0)
     try:
-        prompts = [encode_prompt(tok, task.train_problem(i).prompt, 96) for i in range(2)]
+        prompts = encode_prompts(tok, [task.train_problem(i).prompt for i in range(2)], 96)
         s = engine.generate(prompts, [1, 2], 2)
     finally:
         engine.close()

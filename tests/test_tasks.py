@@ -58,12 +58,12 @@ def test_jsonl_task_takes_held_out_prompts_from_a_separate_file(tmp_path):
 def test_prompt_over_the_budget_is_an_error_not_cut():
     from minirl.models import load_tokenizer, resolve_path
     from minirl.config import ModelConfig
-    from minirl.tasks import encode_prompt
+    from minirl.tasks import encode_prompts
     import pytest
     tok = load_tokenizer(resolve_path(ModelConfig()))
-    assert encode_prompt(tok, "ab#a=", 5) == tok("ab#a=", add_special_tokens=False).input_ids
+    assert encode_prompts(tok, ["ab#a="], 5) == [tok("ab#a=", add_special_tokens=False).input_ids]
     with pytest.raises(ValueError, match="--rollout.max-prompt-tokens=4"):
-        encode_prompt(tok, "ab#a=", 4)
+        encode_prompts(tok, ["ab", "ab#a="], 4)
 
 
 @pytest.mark.parametrize("line, says", [
@@ -122,7 +122,8 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
 
     class Counted:  # the tokenizer, counting its calls: one a row took 0.3 ms each in transformers alone
         def __call__(self, text, **kwargs):
-            calls.append(len(text))
+            if isinstance(text, list):  # not the one-word probe of the tokenizer's leading tokens
+                calls.append(len(text))
             return tok(text, **kwargs)
 
         def __getattr__(self, name):
@@ -404,8 +405,8 @@ class _Engine:
 
 
 class _Tok:
-    def __call__(self, text, add_special_tokens):
-        assert not add_special_tokens  # the engine gets the prompt's own tokens, as the trainer does
+    def __call__(self, text, add_special_tokens=True):  # a tokenizer that puts nothing before a text
+        assert not add_special_tokens or text == "a"  # the prompts' own tokens; "a": the probe for leading ones
         ids = [[ord(ch) for ch in t] for t in text] if isinstance(text, list) else [ord(ch) for ch in text]
         return type("Enc", (), {"input_ids": ids})()  # a list of texts gives a list of rows, as transformers does
 
@@ -504,3 +505,28 @@ def test_the_held_out_rows_come_back_in_the_sets_order_from_the_ranks_slices(mon
     monkeypatch.setattr(dist, "gather_json", lambda rows: [rows, [other]])
     out = held_out(_Engine(), task, _Tok(), 32, rank=0, world=2)
     assert [r["prompt"] for r in out["eval_samples"]] == [p.prompt for p in task.eval_set]
+
+
+def test_a_prompt_begins_with_the_tokens_its_tokenizer_puts_before_a_text_once(tmp_path):
+    """Mistral 7B's tokenizer (it ships in mistral_common, which vLLM installs) puts `<s>` before a text, as
+    Llama's and Gemma's do: a text prompt given without it is one the model never saw in training."""
+    import shutil
+    import mistral_common
+    from transformers import AutoTokenizer
+    from minirl.tasks import encode_prompts
+    shutil.copy(os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1"),
+                tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({  # Mistral-7B-v0.1's
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False}))
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "Question: 2+2? Answer:"
+    ids = encode_prompts(tok, [text, "<s>" + text, "<s>[INST] 2+2? [/INST]"], 64)
+    assert ids[0] == tok(text).input_ids and ids[0][0] == tok.bos_token_id  # as vLLM encodes a text prompt
+    assert [x[:2].count(tok.bos_token_id) for x in ids] == [1, 1, 1]  # a chat template's own <s> is not doubled
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"prompt": text, "answer": "4"}) + "\n")
+    n = len(ids[0])  # the budget counts the <s>: a prompt one token over it is refused as the task loads
+    with pytest.raises(ConfigError, match=rf"{f}:1: the prompt has more than --rollout.max-prompt-tokens={n - 1}"):
+        make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0, tok, n - 1)
+    assert make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0), 0, tok, n).rows[0].prompt == text
