@@ -192,7 +192,8 @@ def kind(fn: Callable) -> str:
 class Scorer:
     """The run's reward functions with their weights (`specs`, `weights` as the flags give them)."""
 
-    def __init__(self, specs: list[str], weights: list[float], timeout: float = 0.0, steps: int = 0):
+    def __init__(self, specs: list[str], weights: list[float], timeout: float = 0.0, steps: int = 0,
+                 prompt_key: str = "prompt"):
         if weights and len(weights) != len(specs):
             raise ConfigError(f"--task.reward-weights has {len(weights)} value(s) for {len(specs)} reward function(s) "
                               "(--task.reward); give one weight per function")
@@ -210,6 +211,7 @@ class Scorer:
         self.told_unscored = self.told_late = False  # a row no function scored, a number logged late, was said
         self.timeout = timeout  # --task.reward-timeout: seconds a call may take (0: no limit)
         self.steps = steps  # --steps: TRL's trainer_state.max_steps
+        self.prompt_key = prompt_key  # --task.prompt-key: the column a TRL function gets as `prompts`
 
     def __call__(self, texts: list[str], answers: list[str], clipped: list[bool], rows: list | None = None,
                  completion_ids: list | None = None, step: int = 0) -> tuple[list, list[list]]:
@@ -246,7 +248,7 @@ class Scorer:
         try:
             with self._watched(i, on):
                 if form == "trl":
-                    prompts, completions = _trl_inputs(rows, texts)
+                    prompts, completions = _trl_inputs(rows, texts, self.prompt_key)
                     columns = {k: [r.get(k) for r in rows] for r in rows[:1] for k in r  # all but, as TRL:
                                if k not in ("prompt", "completion", "completion_ids")}
                     from transformers import TrainerState  # 2 s to import: only for a TRL function
@@ -383,13 +385,13 @@ def _listed(got, n: int) -> list:
     return values
 
 
-def _trl_inputs(rows: list[dict], texts: list[str]) -> tuple[list, list]:
-    """`prompts` and `completions` as TRL's GRPO gives them: a chat row's completion is one assistant message,
-    and a prefill (the prompt's last message the assistant's, which is continued) opens the completion and
-    leaves the prompt, as TRL gave them when it continued one."""
+def _trl_inputs(rows: list[dict], texts: list[str], key: str) -> tuple[list, list]:
+    """`prompts` (column `key`'s) and `completions` as TRL's GRPO gives them: a chat row's completion is one
+    assistant message, and a prefill (the prompt's last message the assistant's, which is continued) opens the
+    completion and leaves the prompt, as TRL gave them when it continued one."""
     prompts, completions = [], []
     for row, text in zip(rows, texts):
-        prompt = row.get("prompt")
+        prompt = row.get(key)
         if not isinstance(prompt, list):
             prompts.append(prompt)
             completions.append(text)
@@ -422,4 +424,4 @@ def _shown(value) -> str:
 def scorer(cfg, steps: int = 0) -> Scorer:
     """The Scorer of the --task.* flags (--task.reward, or the task's built-in) for a run of `steps`."""
     specs = cfg.reward or [BUILT_IN["count" if cfg.name == "count" else cfg.answer_format]]
-    return Scorer(specs, cfg.reward_weights, cfg.reward_timeout, steps)
+    return Scorer(specs, cfg.reward_weights, cfg.reward_timeout, steps, cfg.prompt_key)

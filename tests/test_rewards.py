@@ -299,6 +299,18 @@ def test_the_built_in_tasks_rows_give_a_trl_function_its_prompts_and_answer_colu
     assert all(v == 1.0 or math.isnan(v) for v in parts[0]) and any(v == 1.0 for v in parts[0])
 
 
+def test_a_trl_function_gets_as_prompts_the_column_the_prompt_key_names(forms):
+    """GSM8K as the hub keeps it, read with --task.prompt-key question: a TRL function's `prompts` were None
+    (it read the column `prompt`), and one that reads them failed at the flags' check."""
+    f = forms / "gsm8k.jsonl"
+    f.write_text("".join(json.dumps({"question": "q" * i, "answer": f"#### {i}"}) + "\n" for i in range(1, 11)))
+    task = make_task(TaskConfig(name="jsonl", path=str(f), prompt_key="question", eval_prompts=0,
+                                reward=["userpkg.scores:trl_prompts"]), seed=0)
+    rows = [task.train_problem(i) for i in range(3)]
+    total, parts = task.scorer(["1"] * 3, [q.answer for q in rows], [False] * 3, [q.row for q in rows])
+    assert parts == [[float(len(q.prompt)) for q in rows]] and sorted(parts[0]) != [1.0] * 3
+
+
 def test_a_trl_function_gets_the_trainer_state_at_the_step_its_batch_was_sampled(forms):
     """TRL passes `trainer_state` to every reward function; a curriculum that names it was refused at the
     flags' check ("missing 1 required positional argument")."""
