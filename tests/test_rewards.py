@@ -372,6 +372,27 @@ def test_a_reward_that_exits_during_the_run_ends_it_naming_the_function(forms):
         Scorer(["userpkg.scores:exits"], [])(["3"], ["3"], [False])
 
 
+def test_a_batched_function_that_fails_is_named_with_the_first_completion_of_its_batch(forms):
+    """A TRL function is called once a batch: the line cannot say which row failed, and says so."""
+    with pytest.raises(rewards.RewardError, match=re.escape("trl_batched failed on the completion '3' (the first of "
+                                                            "the batch): TypeError")):
+        Scorer(["userpkg.scores:trl_batched"], [])(["3", "4"], ["3", "3"], [False, False], [{}, {}])
+    with pytest.raises(rewards.RewardError, match=re.escape("trl_batched failed on the completion '3': TypeError")):
+        Scorer(["userpkg.scores:trl_batched"], [])(["3"], ["3"], [False], [{}])
+
+
+def test_scoring_leaves_the_timeout_signals_handler_as_it_found_it():
+    """The timeout's handler is set for each call and the one before put back, not the default."""
+    def mine(signum, frame):
+        pass
+    before = signal.signal(rewards.LATE, mine)
+    try:
+        assert Scorer(["minirl.rewards:count"], [])(["3"], ["3"], [False])[0] == [1.0]
+        assert signal.getsignal(rewards.LATE) is mine
+    finally:
+        signal.signal(rewards.LATE, before)
+
+
 def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "broken_rw.py").write_text("def f(c, a):\n    return 1.0 +\n")
     monkeypatch.syspath_prepend(str(tmp_path))
