@@ -367,6 +367,7 @@ def test_a_large_export_is_sharded_with_an_index_transformers_reads(tmp_path, wo
     files = sorted(os.listdir(tmp_path / "final"))
     shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert oct(os.stat(tmp_path / "final").st_mode & 0o777) == "0o755"  # readable by all, whatever the umask
     readme = (tmp_path / "final" / "README.md").read_text()
     assert "README.md" in files and "| steps | 3 |" in readme
     assert readme.startswith("---\n") and "- minirl" in readme and str(tmp_path) not in readme  # a hub header

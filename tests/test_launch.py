@@ -236,6 +236,19 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     assert json.loads((tmp_path / "out" / "minirl_config.json").read_text()) == config
 
 
+def test_a_model_card_names_a_hub_base_model_in_its_metadata_and_a_folder_by_its_name(tmp_path, monkeypatch):
+    """The hub links a card's `base_model` to that model's page: a hub name goes there, a local folder (even one
+    that looks like org/name) only by its name in the table, never its path."""
+    from minirl.run import model_card
+    monkeypatch.chdir(tmp_path)
+    hub = model_card("m", "Qwen/Qwen2.5-0.5B-Instruct", {})
+    assert "base_model: Qwen/Qwen2.5-0.5B-Instruct" in hub and "| base model | Qwen/Qwen2.5-0.5B-Instruct |" in hub
+    (tmp_path / "models" / "smollm2").mkdir(parents=True)
+    for folder in ("models/smollm2", str(tmp_path / "models" / "smollm2")):
+        card = model_card("m", folder, {})
+        assert "base_model" not in card and "| base model | smollm2 |" in card and str(tmp_path) not in card
+
+
 def test_export_overwrites_only_a_folder_an_export_wrote(tmp_path):
     """--overwrite replaces an earlier export (its minirl model card, config.json, weights) and nothing
     else: a model folder of one's own, with a config.json, JSON and text files and even weights, is not
