@@ -138,9 +138,9 @@ def test_pi_old_from_the_engine_under_a_cut_distribution_gets_a_warning(tmp_path
     said = []
     monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
     for cls, group in ((GRPOArgs, "rl"), (PPOArgs, "ppo")):
-        for flag, value, engine, warned in [("top_p", 0.5, True, True), ("top_k", 20, True, True),
-                                            ("min_tokens", 2, True, True), ("top_p", 0.5, False, False),
-                                            ("top_p", 1.0, True, False)]:
+        for flag, value, engine, warned in [("top_p", 0.5, True, True), ("top_k", 1, True, True),
+                                            ("min_tokens", 1, True, True), ("top_p", 0.5, False, False),
+                                            ("top_p", 1.0, True, False), ("top_k", -1, True, False)]:
             args = cls()
             args.log.run_dir = str(tmp_path)
             setattr(args.rollout, flag, value)
