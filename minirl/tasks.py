@@ -142,6 +142,10 @@ class JsonlTask:
                 where, _ = next(itertools.islice(again, over, None))
                 raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens; "
                                   "raise the flag or shorten the prompt")
+        columns = dict.fromkeys(k for p in rows for k in p.row)
+        for p in rows:  # every row has every column, None where its line has none, as `datasets` reads a file
+            if len(p.row) < len(columns):
+                p.row.update({k: None for k in columns if k not in p.row})
         return rows
 
     @staticmethod
@@ -363,7 +367,7 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     task.scorer = scorer
     task.scorer.check(task.train_problem(0))  # each reward function called once, before any model is built
     main = int(os.environ.get("RANK", 0)) == 0  # the lines below are said once, by the first rank
-    sources = sorted({str(p.row["data_source"]) for p in getattr(task, "rows", ()) if "data_source" in p.row})
+    sources = sorted({str(p.row["data_source"]) for p in getattr(task, "rows", ()) if p.row.get("data_source")})
     other = [s for s in sources if "gsm8k" not in s.lower()]  # verl scores GSM8K as the built-in reward does
     if other and not cfg.reward and main:
         print(f"--task.path={cfg.path!r}: its rows are of verl's data source {other[0]!r}, which verl scores by a "

@@ -311,6 +311,23 @@ def test_a_trl_function_gets_as_prompts_the_column_the_prompt_key_names(forms):
     assert parts == [[float(len(q.prompt)) for q in rows]] and sorted(parts[0]) != [1.0] * 3
 
 
+def test_a_column_some_rows_lack_reaches_a_trl_function_as_none_in_those_rows(tmp_path, monkeypatch):
+    """`datasets` gives every row every column of its file (None where a line has none), and TRL passes them all:
+    a function that names a column only some lines have was refused at the check, or failed the run at the
+    first batch whose first row lacked it."""
+    (tmp_path / "hinted.py").write_text("def hinted(completions, hint, **kw):\n"
+                                        "    return [float(h is not None) for h in hint]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i), **({"hint": "h"} if i % 3 else {})}) + "\n"
+                         for i in range(12)))
+    task = make_task(TaskConfig(name="jsonl", path=str(f), eval_prompts=0, reward=["hinted:hinted"]), seed=0)
+    rows = sorted((task.train_problem(i) for i in range(12)), key=lambda q: int(q.answer) % 3 != 0)  # one without first
+    values = task.scorer(["1"] * 12, [q.answer for q in rows], [False] * 12, [q.row for q in rows])[1][0]
+    assert values == [float(int(q.answer) % 3 != 0) for q in rows] and 0 < sum(values) < 12
+    assert next(q.row for q in rows if q.answer == "3") == {"prompt": "q3", "answer": "3", "hint": None}
+
+
 def test_a_trl_function_gets_the_trainer_state_at_the_step_its_batch_was_sampled(forms):
     """TRL passes `trainer_state` to every reward function; a curriculum that names it was refused at the
     flags' check ("missing 1 required positional argument")."""

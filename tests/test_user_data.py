@@ -191,6 +191,11 @@ def test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verl
         out = capsys.readouterr().out
         assert ("its rows are of verl's data source 'lighteval/MATH'" in out and "math_reward.py for MATH" in out
                 and "--task.reward path/to/that/file.py:compute_score" in out) == said, (source, reward, out)
+    monkeypatch.setenv("RANK", "0")  # GSM8K rows, some without the column: None there, not a data source of its own
+    rows = [{**r, "data_source": "openai/gsm8k"} if i % 2 else {k: v for k, v in r.items() if k != "data_source"}
+            for i, r in enumerate(verl_rows(10, "train"))]
+    make_task(TaskConfig(name="jsonl", path=str(write_jsonl(tmp_path / "rows.jsonl", rows)), eval_prompts=0), 0, tok, 32)
+    assert "data source" not in capsys.readouterr().out
 
 
 def test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_they_are(chat_model, tmp_path,
