@@ -111,10 +111,11 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
     with pytest.raises(ConfigError, match=r"--rollout\.max-prompt-tokens=8: the built-in task's prompts take up to 12"):
         make_task(TaskConfig(), 0, load_tokenizer(tiny_path), 8)
     rows = [{"prompt": format(i, "012b").translate({48: "a", 49: "b"}) + "#a=", "answer": "1"} for i in range(2500)]
-    for line in (1500, 2100):  # the prompts are tokenized 1,024 to a call: the first too long is named
+    for line in (1500, 2100):  # tokenized 1,024 to a call: the first too long is named, then how many, the longest
         rows[line - 1]["prompt"] = "ab" * 20 + "#a="
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ConfigError, match=rf"--task\.path: {f}:1500: the prompt has more than"):
+    with pytest.raises(ConfigError, match=rf"--task\.path: {f}:1500: the prompt has more than --rollout\.max-prompt-"
+                                          r"tokens=32 tokens \(2 of the 2500 prompts do; the longest has 43\); raise"):
         make_task(TaskConfig(name="jsonl", path=str(f)), 0, load_tokenizer(tiny_path), 32)
     rows[1499]["prompt"] = rows[2099]["prompt"] = "a" * 29 + "#a="  # 32 tokens: the budget holds it
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
