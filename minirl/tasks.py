@@ -293,7 +293,7 @@ def prompt_ids(tok, texts: list[str]) -> list[list[int]]:
     with_them, bare = tok("a").input_ids, tok("a", add_special_tokens=False).input_ids
     start = next((i for i in range(len(with_them)) if with_them[i:i + len(bare)] == bare), 0)
     lead = with_them[:start]  # the tokens before the text's own (any after them, an EOS, are not a prompt's)
-    ids = tok(texts, add_special_tokens=False).input_ids
+    ids = tok(texts, add_special_tokens=False).input_ids if texts else []  # transformers fails on no texts
     return [x if x[:len(lead)] == lead else lead + x for x in ids]
 
 

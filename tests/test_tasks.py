@@ -62,6 +62,7 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
     import pytest
     tok = load_tokenizer(resolve_path(ModelConfig()))
     assert encode_prompts(tok, ["ab#a="], 5) == [tok("ab#a=", add_special_tokens=False).input_ids]
+    assert encode_prompts(tok, [], 5) == []  # a rank with no prompts this call
     with pytest.raises(ValueError, match="--rollout.max-prompt-tokens=4"):
         encode_prompts(tok, ["ab", "ab#a="], 4)
 
