@@ -114,13 +114,14 @@ class JsonlTask:
         else:
             k = min(eval_prompts, len(rows) // 5)
             self.eval_set, self.rows = rows[:k], rows[k:]
-            held = {p.prompt for p in self.eval_set}  # a line given twice must not land on both sides of the split
-            overlap = sum(p.prompt in held for p in self.rows)
-            if overlap:
-                self.rows = [p for p in self.rows if p.prompt not in held]
-                if int(os.environ.get("RANK", 0)) == 0:
-                    print(f"--task.path={path!r}: {overlap} training row(s) repeat a held-out prompt; left out "
-                          "of training, so the held-out score stays honest", flush=True)
+        held = {p.prompt for p in self.eval_set}  # a prompt on both sides scores training, not held out
+        overlap = sum(p.prompt in held for p in self.rows)
+        if overlap and not eval_path:  # a line given twice: the split left a copy on each side
+            self.rows = [p for p in self.rows if p.prompt not in held]
+        if overlap and int(os.environ.get("RANK", 0)) == 0:
+            why = (f" of --task.eval-path={eval_path!r}: eval_accuracy partly scores prompts the run trains on"
+                   if eval_path else "; left out of training, so the held-out score stays honest")
+            print(f"--task.path={path!r}: {overlap} training row(s) repeat a held-out prompt{why}", flush=True)
         if not self.rows:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 

@@ -47,12 +47,24 @@ def test_jsonl_task_gsm8k_answers(tmp_path):
     assert p.answer == f"{n}000"
 
 
-def test_jsonl_task_takes_held_out_prompts_from_a_separate_file(tmp_path):
+def test_jsonl_task_takes_held_out_prompts_from_a_separate_file(tmp_path, capsys):
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(10)))
     test.write_text("\n".join(json.dumps({"prompt": f"t{i}", "answer": f"#### {i}"}) for i in range(6)))
     t = JsonlTask(str(train), seed=0, eval_prompts=4, eval_path=str(test))
     assert len(t.rows) == 10 and [p.prompt for p in t.eval_set] == ["t0", "t1", "t2", "t3"]
+    assert "repeat a held-out prompt" not in capsys.readouterr().out
+
+
+def test_held_out_prompts_that_are_also_training_prompts_are_said(tmp_path, capsys):
+    """--task.eval-path given the training file (or a test set holding training prompts): eval_accuracy then
+    scores prompts the run trains on, and a line says so; the training rows are the file's, as given."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(10)))
+    t = JsonlTask(str(train), seed=0, eval_prompts=4, eval_path=str(train))
+    assert len(t.rows) == 10 and len(t.eval_set) == 4
+    assert (f"--task.path={str(train)!r}: 4 training row(s) repeat a held-out prompt of --task.eval-path="
+            f"{str(train)!r}: eval_accuracy partly scores prompts the run trains on") in capsys.readouterr().out
 
 
 def test_prompt_over_the_budget_is_an_error_not_cut():
