@@ -129,6 +129,24 @@ def test_a_pretrained_model_at_the_built_in_tasks_token_cap_gets_a_warning(tmp_p
         assert any(line.startswith("warning: --rollout.max-tokens=8 suits the built-in task") for line in said) == warned
 
 
+def test_a_runs_header_says_how_many_prompts_it_trains_on_and_holds_out(tmp_path, tiny_path, world, monkeypatch):
+    """A dataset read wrong (a filter, the wrong split, a held-out file given twice) shows in the count before
+    any step, as verl's "dataset len" line does."""
+    from minirl.logger import RunLog
+    said = []
+    monkeypatch.setattr(RunLog, "info", lambda self, line: said.append(line))
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"prompt": format(i, "011b").translate({48: "a", 49: "b"}) + "#a=", "answer": "1"})
+                         + "\n" for i in range(1200)))
+    for name, path, line in (("count", "", "prompts: the built-in task's, 128 held out"),
+                             ("jsonl", str(f), "prompts: 1,072 to train on, 128 held out")):
+        args = GRPOArgs()
+        args.log.run_dir, args.task.name, args.task.path = str(tmp_path / name), name, path
+        said.clear()
+        Run(ready_for(args, tiny_path), world, "a test", rows=8)
+        assert line in said, said
+
+
 def test_pi_old_from_the_engine_under_a_cut_distribution_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
     """vLLM's logprobs are of the distribution it sampled from (top-p, top-k and min-tokens cut it and
     renormalize): at --rollout.top-p 0.5 the tiny model's were 0.25 nats a token above the trainer's. Taken as
