@@ -70,7 +70,8 @@ class RolloutConfig:
     """Most completion tokens sampled per sequence; a completion cut here gains no reward. The default suits the
     built-in task's one-digit answers (TRL 1.x and verl default to 512)."""
     max_prompt_tokens: int = 32
-    """Longest prompt in tokens; the engine's context is this plus --rollout.max-tokens."""
+    """Longest prompt in tokens (a BOS its tokenizer puts first included); the engine's context is this plus
+    --rollout.max-tokens."""
     min_tokens: int = 0
     """Fewest completion tokens (EOS is suppressed before that); benchmarks set it to --rollout.max-tokens."""
     temperature: float = 1.0
