@@ -65,7 +65,7 @@ class Run:
         if args.checkpoint.resume == "auto" and not ready.resume:
             self.info(f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh")
         self.info(f"minirl.{self.loop}: {mode}; model {ready.path}")
-        trained = f"{len(ready.task.rows):,} to train on" if hasattr(ready.task, "rows") else "the built-in task's"
+        trained = f"{len(ready.task.rows):,} to train on" if hasattr(ready.task, "rows") else "made by the built-in task"
         self.info(f"prompts: {trained}, {len(ready.task.eval_set):,} held out")  # verl's "dataset len"
         self.info("config: " + json.dumps(args.to_dict(), separators=(",", ":")))
         if world.is_main:

@@ -138,7 +138,7 @@ def test_a_runs_header_says_how_many_prompts_it_trains_on_and_holds_out(tmp_path
     f = tmp_path / "rows.jsonl"
     f.write_text("".join(json.dumps({"prompt": format(i, "011b").translate({48: "a", 49: "b"}) + "#a=", "answer": "1"})
                          + "\n" for i in range(1200)))
-    for name, path, line in (("count", "", "prompts: the built-in task's, 128 held out"),
+    for name, path, line in (("count", "", "prompts: made by the built-in task, 128 held out"),
                              ("jsonl", str(f), "prompts: 1,072 to train on, 128 held out")):
         args = GRPOArgs()
         args.log.run_dir, args.task.name, args.task.path = str(tmp_path / name), name, path
