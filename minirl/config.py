@@ -116,11 +116,11 @@ class TaskConfig:
     name: Literal["count", "jsonl"] = "count"
     """`count`: the built-in task; `jsonl`: prompts and answers from --task.path."""
     path: str = ""
-    """A JSONL file of one {"prompt": ..., "answer": ...} per line, or a JSON array, .parquet or .arrow file of
-    such rows (for --task.name jsonl; .arrow: the datasets library's save_to_disk); a quoted pattern reads every
-    file it matches, in name order (a hub dataset's shards: 'gsm8k/main/train-*.parquet'). A prompt is text or
-    chat messages [{"role": ..., "content": ...}] (rendered by the model's chat template); the answer is a string
-    or a number."""
+    """A JSONL file (or .jsonl.gz) of one {"prompt": ..., "answer": ...} per line, or a JSON array, .parquet or
+    .arrow file of such rows (for --task.name jsonl; .arrow: the datasets library's save_to_disk); a quoted pattern
+    reads every file it matches, in name order (a hub dataset's shards: 'gsm8k/main/train-*.parquet'). A prompt is
+    text or chat messages [{"role": ..., "content": ...}] (rendered by the model's chat template); the answer is a
+    string or a number."""
     prompt_key: str = "prompt"
     """The column holding the prompt, text or chat messages (verl's data.prompt_key; raw GSM8K's is question)."""
     answer_key: str = ""

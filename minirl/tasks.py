@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import json
@@ -21,6 +22,7 @@ import os
 import random
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -170,11 +172,12 @@ class JsonlTask:
 
 
 def _records(path: str, flag: str):
-    """(where, row) for each row of a JSONL file, of a JSON array of rows (a `.json` file as `datasets` reads
-    it), of a Parquet file (by its name or its magic bytes), or of an Arrow file as `datasets` writes them
+    """(where, row) for each row of a JSONL file (or `.jsonl.gz`), a JSON array of rows (`.json`, as `datasets`
+    reads it), a Parquet file (by its name or magic bytes), or an Arrow file as `datasets` writes them
     (`save_to_disk`'s `data-00000-of-00001.arrow`, its cache's files: Arrow's stream format)."""
     with open(path, "rb") as f:
-        parquet = path.endswith(".parquet") or f.read(4) == b"PAR1"
+        magic = f.read(4)
+    parquet = path.endswith(".parquet") or magic == b"PAR1"
     kind = "Parquet" if parquet else "Arrow" if path.endswith(".arrow") else ""
     if kind:
         try:
@@ -195,13 +198,16 @@ def _records(path: str, flag: str):
         for n, r in enumerate(table.to_pylist(), 1):
             yield f"{flag}: {path}: row {n}", r
         return
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark, as Windows editors write, is dropped
+    gzipped = magic[:2] == b"\x1f\x8b"
+    try:  # a byte-order mark, as Windows editors write, is dropped
+        with (gzip.open if gzipped else open)(path, "rt", encoding="utf-8-sig") as f:
             lines = f.readlines()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{flag}={path!r}: not UTF-8 text ({e.reason} at byte {e.start}): a JSONL file is UTF-8 "
                           "text, one JSON object a line (a Parquet file is read as one when its name ends in "
                           ".parquet)") from e
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a download cut short
+        raise ConfigError(f"{flag}={path!r}: not a readable gzip file ({e}); download it again") from e
     text = "".join(lines)
     if text.lstrip().startswith("["):  # one JSON array of rows
         try:
@@ -287,10 +293,9 @@ def warm_start(model, tok, steps: int, lr: float = 1e-3, batch: int = 32, off_by
 
 
 def prompt_ids(tok, texts: list[str]) -> list[list[int]]:
-    """Token ids of prompts as the engine is given them: each begins with the special tokens its tokenizer puts
-    before a text (Llama's and Mistral's `<s>`, Gemma's `<bos>`; Qwen's and GPT-2's put none), once, whether a
-    chat template wrote them or not. Without them such a model reads every prompt out of distribution (Gemma
-    writes garbage: TRL's add_special_tokens=False, its issue 3520); vLLM's own text prompts have them."""
+    """Token ids of prompts as the engine is given them, each beginning once with the special tokens its tokenizer
+    puts before a text (Llama's, Mistral's, Gemma's BOS; none for Qwen or GPT-2), whether a chat template wrote them
+    or not: as vLLM encodes a text prompt (without them Gemma writes garbage: TRL's issue 3520)."""
     with_them, bare = tok("a").input_ids, tok("a", add_special_tokens=False).input_ids
     start = next((i for i in range(len(with_them)) if with_them[i:i + len(bare)] == bare), 0)
     lead = with_them[:start]  # the tokens before the text's own (any after them, an EOS, are not a prompt's)

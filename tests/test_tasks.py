@@ -199,6 +199,19 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path):
         assert sorted(p.prompt for p in task.rows) == sorted(r["prompt"] for r in rows)
 
 
+def test_a_gzipped_jsonl_file_reads_as_its_rows_and_one_cut_short_is_named(tmp_path):
+    """`.jsonl.gz`, as datasets are often kept and `datasets` reads them, was "not UTF-8 text"."""
+    import gzip
+    rows = [{"prompt": f"{'a' * n}#a=", "answer": str(n)} for n in range(1, 11)]
+    data = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    (tmp_path / "rows.jsonl.gz").write_bytes(data)
+    task = JsonlTask(str(tmp_path / "rows.jsonl.gz"), seed=0, eval_prompts=0)
+    assert sorted(p.prompt for p in task.rows) == sorted(r["prompt"] for r in rows)
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match=r"--task\.path=.*cut\.jsonl\.gz.*: not a readable gzip file \(.*\); download "):
+        JsonlTask(str(tmp_path / "cut.jsonl.gz"), seed=0, eval_prompts=0)
+
+
 def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch, capfd):
     """What a fresh machine does first (`make demo`, the suite's first fixture): build the built-in model
     into an empty cache folder, warm start included, and load it back; a second call finds it. The build
