@@ -91,7 +91,7 @@ def test_a_fresh_start_under_resume_auto_says_there_was_nothing_to_resume(tmp_pa
         said.clear()
         Run(ready_for(args, tiny_path), world, "a test", rows=8)
         nothing = f"--checkpoint.resume auto: no complete checkpoint in {args.checkpoint_dir}; starting fresh"
-        assert (said[0] == nothing) == (resume == "auto") and said[-2].startswith("minirl.grpo: a test; model ")
+        assert (said[0] == nothing) == (resume == "auto") and said[-3].startswith("minirl.grpo: a test; model ")
 
 
 def test_a_pretrained_model_at_the_tiny_models_learning_rate_gets_a_warning(tmp_path, tiny_path, world, monkeypatch):
