@@ -162,7 +162,8 @@ class TaskConfig:
             if (needed or path) and not data_files(path):
                 # a downloaded dataset's folder: name one of its data files, of the flag's split first
                 inside = sorted((p for p in glob.glob(os.path.join(path, "**"), recursive=True)
-                                 if p.endswith((".parquet", ".jsonl", ".arrow"))), key=lambda p: (split not in p, p))
+                                 if p.endswith((".parquet", ".jsonl", ".jsonl.gz", ".arrow"))),
+                                key=lambda p: (split not in p, p))
                 what = "not a file, nor a pattern that matches one"
                 if inside:  # the hub's train-00000-of-00002.parquet, save_to_disk's train/data-00000-of-00001.arrow
                     shards = os.path.join(os.path.dirname(inside[0]), re.sub(r"-\d+-of-\d+", "-*",

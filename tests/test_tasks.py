@@ -210,6 +210,11 @@ def test_a_gzipped_jsonl_file_reads_as_its_rows_and_one_cut_short_is_named(tmp_p
     (tmp_path / "cut.jsonl.gz").write_bytes(data[:len(data) // 2])
     with pytest.raises(ConfigError, match=r"--task\.path=.*cut\.jsonl\.gz.*: not a readable gzip file \(.*\); download "):
         JsonlTask(str(tmp_path / "cut.jsonl.gz"), seed=0, eval_prompts=0)
+    shard = tmp_path / "shards" / "train-00000-of-00001.jsonl.gz"  # a folder of them is told to name one
+    shard.parent.mkdir()
+    shard.write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(f"is a folder: name a file in it ({str(shard)!r})")):
+        TaskConfig(name="jsonl", path=str(shard.parent)).check()
 
 
 def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypatch, capfd):
