@@ -33,7 +33,8 @@ from minirl.batch import RolloutStore, pack, plan_chunks  # noqa: E402
 from minirl.config import ModelConfig
 from minirl.config_grpo import GRPOArgs  # noqa: E402
 from minirl.grpo import Probe, update  # noqa: E402
-from minirl.models import load_policy, resolve_path  # noqa: E402
+from minirl.launch import resolve_path  # noqa: E402
+from minirl.models import load_policy  # noqa: E402
 from minirl.rollout import Samples  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

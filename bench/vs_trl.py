@@ -85,7 +85,7 @@ def trl_worker(setup: str, steps: int, completion: int, lr: float, micro: int, d
     from trl import GRPOConfig, GRPOTrainer
 
     from minirl.config import ModelConfig, TinyModelConfig
-    from minirl.models import resolve_path
+    from minirl.launch import resolve_path
     from minirl import rewards
     from minirl.tasks import CountTask
 

@@ -45,7 +45,7 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
-    from minirl import dist, models, refit
+    from minirl import dist, launch, models, refit
     from minirl.config import ModelConfig, RolloutConfig, TinyModelConfig
     from minirl.refit import drop, put, take
     from minirl.rollout import Engine
@@ -55,7 +55,7 @@ def worker(hidden: int, layers: int, rollout_ranks: int, repeats: int, bucket_mi
         refit.BUCKET_BYTES = bucket_mib << 20
     cfg = ModelConfig(tiny=TinyModelConfig(hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
                                            intermediate_size=2 * hidden, warm_start_steps=0))
-    path = model_path or models.resolve_path(cfg)
+    path = model_path or launch.resolve_path(cfg)
     R, wait = rollout_ranks, lambda key: store.wait([key])
     store_arm = "store" in arms
     if roles.trains:

@@ -4,6 +4,8 @@
   tools' one door, lazily), validation for the launch's world, the model folder and engine checks,
   the task with its reward functions, the checkpoint to resume (its files and shapes), and the claim
   of the run directory (by train rank 0), all before any model, engine or process group is built.
+- `resolve_path`: `--model.path` (a folder, a hub name, or `tiny`) as a local folder, checked whole: its config,
+  tokenizer and safetensors files, and every weight its model has, in its shape (read on the meta device).
 - `claim`: one live run owns a run directory and its checkpoint folder (kernel locks that die with
   their process); the run's identity (`run.json`, `begin`) is stamped on every checkpoint, so a folder
   holding another run's checkpoints is refused and a resume by path starts a new line.
@@ -32,7 +34,7 @@ import torch
 
 from minirl import checkpoint, dist, models, rewards, tasks
 from minirl.accumulator import StalledError
-from minirl.config import TINY, ConfigError, first_line, holds_run
+from minirl.config import TINY, ConfigError, ModelConfig, first_line, holds_run, hub_name
 from minirl.flags import parse
 from minirl.rollout import check_model, check_reloads, meta_model
 
@@ -69,7 +71,7 @@ def preflight(cls, argv: list[str] | None, loop) -> Ready | None:
         return None
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     args.validate(world_size)
-    path = models.resolve_path(args.model)
+    path = resolve_path(args.model)
     ready = Ready(args, path, None, None, None)
     check_model(path, args.rollout, args.rollout.max_model_len,
                 head_dim_flag="--model.tiny.num-heads" if args.model.path == TINY else "--model.path")
@@ -99,6 +101,116 @@ def on_meta(path: str, kinds: tuple[str, ...]) -> dict:
              "value": lambda: models.ValueModel(AutoModel.from_config(config), config.hidden_size)}
     with torch.device("meta"):
         return {kind: build[kind]() for kind in kinds}
+
+
+# ---- the model folder ----
+
+def resolve_path(cfg: ModelConfig) -> str:
+    """A local folder holding config.json and a tokenizer, checked whole (`check_folder`) before anything
+    is loaded, or a ConfigError naming --model.path."""
+    if cfg.path == TINY:
+        return tasks.build_tiny(cfg.tiny)  # the built-in task's model
+    if os.path.isdir(cfg.path):
+        check_folder(cfg.path)
+        return cfg.path
+    if not hub_name(cfg.path):
+        raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name "
+                          f"like Qwen/Qwen2.5-0.5B-Instruct, or `{TINY}` for the built-in model")
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated...
+        raise ConfigError(f"--model.path={cfg.path!r}: there is no local folder of that name, and as a hub name it "
+                          f"could not be fetched ({type(e).__name__}: {first_line(e)[:160]}); give an "
+                          "existing local folder or download the model elsewhere") from e
+    check_folder(folder)
+    return folder
+
+
+def check_folder(path: str) -> None:
+    """A Hugging Face folder minirl can load: a config.json naming its model type, a tokenizer, whole safetensors."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")
+    try:
+        with open(config) as f:
+            hf = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--model.path: {config} is not valid JSON ({e})") from e
+    if not isinstance(hf, dict) or "model_type" not in hf:
+        raise ConfigError(f"--model.path: {config} names no model_type: not a Hugging Face model config")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+    if hf["model_type"] not in CAUSAL_LMS:  # a model of remote code, or newer than this transformers
+        raise ConfigError(f"--model.path: {config} names model_type {hf['model_type']!r}, which this transformers "
+                          "cannot load as a causal language model (minirl runs no code of a model's own)")
+    heads = hf.get("architectures") or []
+    if heads and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in heads):
+        raise ConfigError(f"--model.path: {config} is a {heads[0]}, a model that does not generate; the policy is a "
+                          "causal language model (a reward model scores inside a --task.reward function)")
+    names = os.listdir(path)
+    if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise ConfigError(f"--model.path={path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                          "copy the base model's tokenizer files beside its weights")
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):  # a hub model's: fetched as safetensors only
+        raise ConfigError(f"--model.path={path!r} has no weights (no *.safetensors file); copy the model's weights "
+                          "beside its config.json")
+    for name in sorted(names):
+        if name.endswith(".safetensors"):
+            _check_safetensors(os.path.join(path, name))
+        if name.endswith(".index.json"):  # a sharded model's: every shard it names is here (a download cut short)
+            try:
+                with open(os.path.join(path, name)) as f:
+                    shards = set(json.load(f)["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--model.path: {path}/{name} is not a readable shard index ({e!r})") from e
+            missing = sorted(shards - set(names))
+            if missing:
+                raise ConfigError(f"--model.path: {path}/{name} names {len(missing)} shard(s) the folder lacks "
+                                  f"({missing[0]}, ...); download them again")
+    if "quantization_config" not in hf:  # a quantized model's weights are its quantizer's to name (vLLM reads them)
+        _check_weights(path)
+
+
+def _check_weights(path: str) -> None:
+    """Every weight the model has is in the folder, in the shape config.json gives it: transformers reads the
+    files' names and shapes onto the meta device (no data). It would start a missing weight at random and only
+    warn, and vLLM serves the missing half of a weight it fuses (gate with up) as whatever memory held."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report: what matters is said below, in a line
+    try:
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, device_map="meta", ignore_mismatched_sizes=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing, wrong = sorted(info["missing_keys"]), sorted(info["mismatched_keys"])
+    if missing:
+        raise ConfigError(f"--model.path: {path} lacks {len(missing)} weight(s) of its model "
+                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would start at "
+                          "random: the checkpoint is cut short or is not the architecture its config.json names")
+    if wrong:
+        name, got, want = wrong[0]
+        raise ConfigError(f"--model.path: {path} holds {len(wrong)} weight(s) of another shape than its config.json "
+                          f"gives ({name}: {tuple(got)}, where the model has {tuple(want)}): the checkpoint is not "
+                          "the architecture its config.json names")
+
+
+def _check_safetensors(file: str) -> None:
+    """The file's size covers its header and every tensor the header lists (no data is read)."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header cut short")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--model.path: {file} is not a readable safetensors file ({e})") from e
+    if 8 + n + end > size:
+        raise ConfigError(f"--model.path: {file} is truncated ({size} bytes of {8 + n + end}); download it again")
 
 
 def run(name: str, main, argv: list[str] | None = None) -> None:

@@ -1,17 +1,12 @@
 """Policy, value and reference models, all loaded one way, and the chosen tokens' logprobs.
 
-Contract: every model comes from a local Hugging Face folder. `resolve_path` turns
-`--model.path` (a folder, a hub name, or `tiny`: the built-in task's model, tasks.build_tiny) into
-that folder BEFORE anything heavy is built, so a bad path fails fast; the trainer and the vLLM
-engine then read the same folder.
+Contract: every model comes from a local Hugging Face folder, found and checked whole before anything
+heavy is built (launch.resolve_path); the trainer and the vLLM engine then read the same folder.
 
 Shapes: B sequences, T tokens, V vocab.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 from torch import nn
@@ -19,88 +14,6 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl import batch
 from minirl.batch import Layout
-from minirl.config import TINY, ConfigError, ModelConfig, first_line, hub_name
-
-
-def resolve_path(cfg: ModelConfig) -> str:
-    """A local folder holding config.json and a tokenizer, checked whole (`check_folder`) before anything
-    is loaded, or a ConfigError naming --model.path."""
-    if cfg.path == TINY:
-        from minirl.tasks import build_tiny  # the built-in task's model
-        return build_tiny(cfg.tiny)
-    if os.path.isdir(cfg.path):
-        check_folder(cfg.path)
-        return cfg.path
-    if not hub_name(cfg.path):
-        raise ConfigError(f"--model.path={cfg.path!r} does not exist; give a local model folder, a hub name "
-                          f"like Qwen/Qwen2.5-0.5B-Instruct, or `{TINY}` for the built-in model")
-    try:
-        from huggingface_hub import snapshot_download
-        folder = snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-    except Exception as e:  # offline, unknown repo, gated...
-        raise ConfigError(f"--model.path={cfg.path!r}: there is no local folder of that name, and as a hub name it "
-                          f"could not be fetched ({type(e).__name__}: {first_line(e)[:160]}); give an "
-                          "existing local folder or download the model elsewhere") from e
-    check_folder(folder)
-    return folder
-
-
-def check_folder(path: str) -> None:
-    """A Hugging Face folder minirl can load: a config.json naming its model type, a tokenizer, whole safetensors."""
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")
-    try:
-        with open(config) as f:
-            hf = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--model.path: {config} is not valid JSON ({e})") from e
-    if not isinstance(hf, dict) or "model_type" not in hf:
-        raise ConfigError(f"--model.path: {config} names no model_type: not a Hugging Face model config")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
-    if hf["model_type"] not in CAUSAL_LMS:  # a model of remote code, or newer than this transformers
-        raise ConfigError(f"--model.path: {config} names model_type {hf['model_type']!r}, which this transformers "
-                          "cannot load as a causal language model (minirl runs no code of a model's own)")
-    heads = hf.get("architectures") or []
-    if heads and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in heads):
-        raise ConfigError(f"--model.path: {config} is a {heads[0]}, a model that does not generate; the policy is a "
-                          "causal language model (a reward model scores inside a --task.reward function)")
-    names = os.listdir(path)
-    if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
-        raise ConfigError(f"--model.path={path!r} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
-                          "copy the base model's tokenizer files beside its weights")
-    if not any(n.endswith((".safetensors", ".bin")) for n in names):  # a hub model's: fetched as safetensors only
-        raise ConfigError(f"--model.path={path!r} has no weights (no *.safetensors file); copy the model's weights "
-                          "beside its config.json")
-    for name in sorted(names):
-        if name.endswith(".safetensors"):
-            _check_safetensors(os.path.join(path, name))
-        if name.endswith(".index.json"):  # a sharded model's: every shard it names is here (a download cut short)
-            try:
-                with open(os.path.join(path, name)) as f:
-                    shards = set(json.load(f)["weight_map"].values())
-            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"--model.path: {path}/{name} is not a readable shard index ({e!r})") from e
-            missing = sorted(shards - set(names))
-            if missing:
-                raise ConfigError(f"--model.path: {path}/{name} names {len(missing)} shard(s) the folder lacks "
-                                  f"({missing[0]}, ...); download them again")
-
-
-def _check_safetensors(file: str) -> None:
-    """The file's size covers its header and every tensor the header lists (no data is read)."""
-    size = os.path.getsize(file)
-    try:
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header cut short")
-            header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--model.path: {file} is not a readable safetensors file ({e})") from e
-    if 8 + n + end > size:
-        raise ConfigError(f"--model.path: {file} is truncated ({size} bytes of {8 + n + end}); download it again")
 
 
 # ---- loading ----
@@ -116,8 +29,8 @@ def load_tokenizer(path: str):
 def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     """A transformers `Auto*` class's model from `path`, for training: no dropout (the engine samples
     without it, and pi_old must be that policy: TRL's and OpenRLHF's disable_dropout), no KV cache (with
-    one, packed rows would mix) and no progress bar per load on every rank. Every weight the model has
-    comes from the folder: transformers starts a missing one at random and only warns."""
+    one, packed rows would mix) and no progress bar per load on every rank. The folder holds every weight the
+    model has (`check_folder`)."""
     import transformers
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -129,15 +42,9 @@ def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     if auto == "AutoModel":  # the critic's backbone: the load report lists the LM head it leaves out by design
         hf_logging.set_verbosity_error()
     try:
-        model, info = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype,
-                                                                  output_loading_info=True)
+        model = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
-    missing = sorted(info["missing_keys"])
-    if missing:
-        raise ConfigError(f"--model.path: {path} lacks {len(missing)} weight(s) of its {type(model).__name__} "
-                          f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which would start at "
-                          "random: the checkpoint is cut short or is not the architecture its config.json names")
     model.config.use_cache = False
     # vLLM 0.32 serves some families (GPT-NeoX, OLMo 2, Phi) through its Transformers backend, which rewrites
     # their transformers base class in this process as the engine is built: its __call__ then reads

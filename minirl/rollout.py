@@ -117,12 +117,12 @@ def with_sizes(hf: dict) -> dict:
         raise ConfigError(f"--model.path is a vision-language model ({(hf.get('architectures') or [''])[0]}, its "
                           "language model's settings under text_config); minirl trains text-only causal language "
                           "models (Gemma 3's text-only one is the 1B)")
-    if "model_type" not in hf:  # nothing to read it by (a real run has refused it: models.check_folder)
+    if "model_type" not in hf:  # nothing to read it by (a real run has refused it: launch.check_folder)
         return hf
     from transformers import AutoConfig
     try:
         config = AutoConfig.for_model(**hf)
-    except (ValueError, TypeError) as e:  # an unknown model_type (checked before a real run: models.check_folder)
+    except (ValueError, TypeError) as e:  # an unknown model_type (checked before a real run: launch.check_folder)
         raise ConfigError(f"--model.path: this transformers cannot read its config.json ({e})") from e
     sizes = {k: getattr(config, k) for k in SIZES if getattr(config, k, None) is not None}
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in sizes]

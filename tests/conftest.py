@@ -34,7 +34,7 @@ def _signal_handlers():
 @pytest.fixture(scope="session")
 def tiny_path():
     from minirl.config import ModelConfig
-    from minirl.models import resolve_path
+    from minirl.launch import resolve_path
     return resolve_path(ModelConfig())
 
 

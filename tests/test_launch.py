@@ -761,8 +761,10 @@ def test_a_model_the_cpu_engine_cannot_train_is_refused_before_anything_is_built
     assert not os.path.exists(tmp_path / "run")
     wide = tmp_path / "wide"
     shutil.copytree(tiny_path, wide)
-    config = json.loads((wide / "config.json").read_text())
-    (wide / "config.json").write_text(json.dumps({**config, "num_attention_heads": config["hidden_size"] // 16}))
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(tiny_path)
+    config.num_attention_heads = config.hidden_size // 16
+    AutoModelForCausalLM.from_config(config).save_pretrained(wide)  # its weights of that shape too
     with pytest.raises(ConfigError, match=r"^--model.path: head_dim 16 "):
         launch.preflight(GRPOArgs, ["--model.path", str(wide), "--log.run-dir", str(tmp_path / "run")], None)
     with pytest.raises(ConfigError, match=r"^--model.tiny.num-heads: head_dim 16 "):

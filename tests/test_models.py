@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_same_grads, grads
-from minirl import dist, models, rollout
+from minirl import dist, launch, models, rollout
 
 
 def big_vocab_model(vocab=151_936, hidden=8):
@@ -204,7 +204,7 @@ def test_a_garbage_config_json_is_refused_naming_the_file(tiny_path, tmp_path):
     d = copy_of(tiny_path, tmp_path)
     (d / "config.json").write_text("{ not json")
     with pytest.raises(ConfigError, match=rf"{d}/config\.json is not valid JSON"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
 
 
 def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_path):
@@ -212,46 +212,60 @@ def test_a_truncated_safetensors_file_is_found_before_loading(tiny_path, tmp_pat
     from minirl.config import ConfigError, ModelConfig
     d = copy_of(tiny_path, tmp_path)
     f = d / "model.safetensors"
-    assert models.resolve_path(ModelConfig(path=str(d))) == str(d)  # whole: its last byte is its last tensor's
+    assert launch.resolve_path(ModelConfig(path=str(d))) == str(d)  # whole: its last byte is its last tensor's
     whole = os.path.getsize(f)
     os.truncate(f, whole - 1)
     with pytest.raises(ConfigError, match=rf"{f} is truncated \({whole - 1} bytes of {whole}\)"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
     os.truncate(f, os.path.getsize(f) - 1000)
     with pytest.raises(ConfigError, match=rf"{f} is truncated"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
     header = int.from_bytes(f.read_bytes()[:8], "little")
     os.truncate(f, 8 + header - 1)  # the JSON header itself one byte short
     with pytest.raises(ConfigError, match=r"not a readable safetensors file \(header cut short\)"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
     os.truncate(f, 4)
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
     f.write_bytes(bytes(8) + b"{}")  # a header length of 0
     with pytest.raises(ConfigError, match=r"not a readable safetensors file \(header cut short\)"):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
     from safetensors.torch import save_file
-    save_file({}, str(f))  # no tensors: the header is the whole file, and that is whole
+    save_file({}, str(f))  # no tensors: the header is the whole file, and that is whole (the folder lacks weights)
     assert os.path.getsize(f) == 8 + int.from_bytes(f.read_bytes()[:8], "little")
-    assert models.resolve_path(ModelConfig(path=str(d))) == str(d)
+    with pytest.raises(ConfigError, match=r"lacks \d+ weight\(s\) of its model"):
+        launch.resolve_path(ModelConfig(path=str(d)))
 
 
-def test_a_checkpoint_that_lacks_a_weight_is_refused_naming_it_never_started_at_random(tiny_path, tmp_path):
-    """transformers loads a folder that lacks a weight with that weight at random and a warning; vLLM
-    serves it too. Every model minirl trains refuses it, naming the weight."""
+def test_a_model_folder_that_lacks_a_weight_or_holds_one_of_another_shape_is_refused_naming_it(tiny_path, tmp_path):
+    """transformers loads a folder that lacks a weight with that weight at random and a warning, and vLLM
+    serves the missing half of a weight it fuses (gate with up) as whatever memory held: `minirl-eval`
+    scored such a folder. The folder check refuses it, naming the weight, before any model is built; and
+    a config.json of another size than the weights, naming the weight and both shapes. A quantized model's
+    weights are named by its quantizer (`minirl-eval` scores one with vLLM): not read here."""
     from safetensors.torch import load_file, save_file
-    from minirl.config import ConfigError
-    d = copy_of(tiny_path, tmp_path)
-    weights = load_file(str(d / "model.safetensors"))
-    gone = next(k for k in weights if k.endswith("layers.1.mlp.down_proj.weight"))
-    del weights[gone]
-    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
-    load = {"policy": models.load_policy, "value": models.load_value,
-            "reference": lambda p: models.load_reference(p, "bfloat16")}
-    for kind, fn in load.items():
-        with pytest.raises(ConfigError, match=rf"--model.path: {d} lacks 1 weight\(s\) .*\(({gone}|layers\.1\.mlp"
-                                              r"\.down_proj\.weight)\), which would start at random"):
-            fn(str(d))
+    from minirl.config import ConfigError, ModelConfig
+    weights = load_file(os.path.join(tiny_path, "model.safetensors"))
+    for i, end in enumerate(["layers.1.mlp.down_proj.weight", "layers.1.mlp.up_proj.weight"]):
+        d = copy_of(tiny_path, tmp_path / str(i))
+        gone = next(k for k in weights if k.endswith(end))
+        save_file({k: v for k, v in weights.items() if k != gone}, str(d / "model.safetensors"),
+                  metadata={"format": "pt"})
+        with pytest.raises(ConfigError, match=rf"--model.path: {d} lacks 1 weight\(s\) of its model \({gone}\), "
+                                              "which would start at random"):
+            launch.resolve_path(ModelConfig(path=str(d)))
+    d = copy_of(tiny_path, tmp_path / "wider")
+    config = json.loads((d / "config.json").read_text())
+    width = config["intermediate_size"]
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * width}))
+    hidden = config["hidden_size"]
+    with pytest.raises(ConfigError, match=rf"--model.path: {d} holds {3 * config['num_hidden_layers']} weight\(s\) of "
+                                          rf"another shape than its config.json gives \(model\.layers\.0\.mlp\.down_proj"
+                                          rf"\.weight: \({hidden}, {width}\), where the model has \({hidden}, {2 * width}\)\)"):
+        launch.resolve_path(ModelConfig(path=str(d)))
+    quantized = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}  # names its quantizer's
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": quantized}))
+    assert launch.resolve_path(ModelConfig(path=str(d))) == str(d)  # for vLLM to read (transformers needs gptqmodel)
 
 
 def test_the_critic_loads_an_untied_models_backbone_without_a_report_on_the_head_it_leaves(moe_paths, capfd, caplog):
@@ -275,7 +289,7 @@ def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"there is no local folder of that name, and as a hub name it could not "
                                           r"be fetched"):
-        models.resolve_path(ModelConfig(path="runs/final"))
+        launch.resolve_path(ModelConfig(path="runs/final"))
     import huggingface_hub
 
     def unreachable(*args, **kwargs):
@@ -283,7 +297,7 @@ def test_a_hub_like_name_that_is_no_local_folder_says_both(monkeypatch, tmp_path
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     with pytest.raises(ConfigError) as e:  # the hub's reason: its first line, cut at 160 characters
-        models.resolve_path(ModelConfig(path="runs/final"))
+        launch.resolve_path(ModelConfig(path="runs/final"))
     assert f"could not be fetched (OSError: {'x' * 160}); give an existing" in str(e.value)
 
 
@@ -294,15 +308,15 @@ def test_a_model_path_is_a_folder_a_fetched_hub_name_or_refused_naming_both(monk
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"--model.path='no-such-folder' does not exist; give a local model folder, "
                                           r"a hub name like Qwen/Qwen2.5-0.5B-Instruct, or `tiny` for the built-in"):
-        models.resolve_path(ModelConfig(path="no-such-folder"))
+        launch.resolve_path(ModelConfig(path="no-such-folder"))
     import huggingface_hub
     asked = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: asked.append((name, kw)) or tiny_path)
-    assert models.resolve_path(ModelConfig(path="owner/model")) == tiny_path
+    assert launch.resolve_path(ModelConfig(path="owner/model")) == tiny_path
     assert asked == [("owner/model", {"allow_patterns": ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]})]
     checked = []
-    monkeypatch.setattr(models, "check_folder", checked.append)
-    models.resolve_path(ModelConfig(path="owner/model"))
+    monkeypatch.setattr(launch, "check_folder", checked.append)
+    launch.resolve_path(ModelConfig(path="owner/model"))
     assert checked == [tiny_path]
 
 
@@ -364,7 +378,7 @@ def test_a_model_folder_without_a_causal_model_a_tokenizer_or_its_weights_is_ref
     d = copy_of(tiny_path, tmp_path)
     broken(d)
     with pytest.raises(ConfigError, match=says):
-        models.resolve_path(ModelConfig(path=str(d)))
+        launch.resolve_path(ModelConfig(path=str(d)))
 
 
 @pytest.mark.parametrize("kind", ["policy", "value"])

@@ -68,7 +68,8 @@ def test_held_out_prompts_that_are_also_training_prompts_are_said(tmp_path, caps
 
 
 def test_prompt_over_the_budget_is_an_error_not_cut():
-    from minirl.models import load_tokenizer, resolve_path
+    from minirl.launch import resolve_path
+    from minirl.models import load_tokenizer
     from minirl.config import ModelConfig
     from minirl.tasks import encode_prompts
     import pytest

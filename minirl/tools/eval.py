@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> float:
         check_checkpoint(args.checkpoint, "--checkpoint")
     world = dist.init()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the temporary export is removed
-    base = models.resolve_path(args.model)  # checked before any export, which copies its config and tokenizer
+    base = launch.resolve_path(args.model)  # checked before any export, which copies its config and tokenizer
     check_model(base, args.rollout, args.rollout.max_model_len)
     tok = models.load_tokenizer(base)
     task = make_task(args.task, args.seed, tok, args.rollout.max_prompt_tokens, True, args.steps)

@@ -91,11 +91,11 @@ def check_out(out: str, ckpt: str, overwrite: bool) -> None:
 
 
 def export(ckpt: str, out: str, model_path: str = "") -> str:
-    from minirl import checkpoint, dist, models
+    from minirl import checkpoint, dist, launch, models
     from minirl.run import RUN_CONFIG, export_hf, model_card
     dist.init()
     cfg = run_model_config(ckpt, model_path)
-    path = models.resolve_path(cfg)
+    path = launch.resolve_path(cfg)
     policy = models.load_policy(path)
     checkpoint.load_model(ckpt, "policy", policy)
     where = os.path.join(*os.path.abspath(ckpt).split(os.sep)[-3:])  # <run>/checkpoints/step_N, not the whole path
