@@ -42,7 +42,7 @@ def build(folder: str) -> str:
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from minirl.tasks import _char_tokenizer
+    from minirl.models import _char_tokenizer
     tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>", eos_token="<eos>",
                                   unk_token="<unk>")
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ def main() -> None:
     a = ap.parse_args()
     base = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    setups = [("text", a.rows, models.load_tokenizer(tasks.build_tiny(TinyModelConfig())), 32)]
+    setups = [("text", a.rows, models.load_tokenizer(models.build_tiny(TinyModelConfig())), 32)]
     if a.chat:
         setups.append(("chat", a.chat, models.load_tokenizer(a.smollm2), 256))
     with tempfile.TemporaryDirectory() as tmp:

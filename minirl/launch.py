@@ -109,7 +109,7 @@ def resolve_path(cfg: ModelConfig) -> str:
     """A local folder holding config.json and a tokenizer, checked whole (`check_folder`) before anything
     is loaded, or a ConfigError naming --model.path."""
     if cfg.path == TINY:
-        return tasks.build_tiny(cfg.tiny)  # the built-in task's model
+        return models.build_tiny(cfg.tiny)  # the built-in task's model
     if os.path.isdir(cfg.path):
         check_folder(cfg.path)
         return cfg.path

@@ -1,12 +1,20 @@
 """Policy, value and reference models, all loaded one way, and the chosen tokens' logprobs.
 
 Contract: every model comes from a local Hugging Face folder, found and checked whole before anything
-heavy is built (launch.resolve_path); the trainer and the vLLM engine then read the same folder.
+heavy is built (launch.resolve_path); the trainer and the vLLM engine then read the same folder. The
+built-in task's model (`build_tiny`: a Qwen2 with a character-level tokenizer, no download, warm-started
+roughly on the task) is built once into minirl's cache folder.
 
 Shapes: B sequences, T tokens, V vocab.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 
 import torch
 from torch import nn
@@ -14,6 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl import batch
 from minirl.batch import Layout
+from minirl.config import ConfigError, TinyModelConfig
+from minirl.tasks import warm_start
 
 
 # ---- loading ----
@@ -102,6 +112,68 @@ def load_value(path: str) -> ValueModel:
     backbone = _pretrained("AutoModel", path, torch.float32)
     return ValueModel(backbone, backbone.config.hidden_size)
 
+
+# ---- the built-in task's model, built once into minirl's cache folder ----
+
+def cache_dir() -> str:
+    return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
+
+
+# The tiny tokenizer's alphabet: one token per character, plus the specials.
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
+
+
+def build_tiny(shape: TinyModelConfig) -> str:
+    """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # a first run's stderr holds its errors only, not a save's progress bar
+
+    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
+    path = os.path.join(cache_dir(), f"tiny-{key}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
+    except OSError as e:  # a read-only home (some clusters' compute nodes), a full disk
+        raise ConfigError(f"the built-in model is built once into {cache_dir()}, which cannot be written "
+                          f"({e.strerror}); set MINIRL_CACHE to a folder you can write") from e
+    tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_positions, tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_theta=10000.0, dtype="float32")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the cached weights never depend on a run's seed
+        model = Qwen2ForCausalLM(config)
+        if shape.warm_start_steps:
+            warm_start(model, tok, shape.warm_start_steps)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another rank got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+# ---- the trainer's models ----
 
 def sharded(path: str, kind: str, world, dtype: str, pack: bool = False, like: nn.Module | None = None,
             checkpointing: bool = False, temperature: float = 1.0) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Prompt sets, deterministic prompt ids, held-out scoring, and the built-in task's tiny model.
+"""Prompt sets, deterministic prompt ids, and held-out scoring.
 
 - `CountTask` (built in): "how many a's?" e.g. `abbab#a=` -> `2`; problems are a pure function of
   (seed, index), and a string is held out iff its hash says so, so eval accuracy is honest.
@@ -6,8 +6,7 @@
   pattern matches in name order (a hub dataset's shards); text or chat prompts under `prompt` or a named
   key, the answer under `answer`, `solution` or a named key, GSM8K's `#### 42` cut to the number.
 - `make_task` gives every task its `scorer` (rewards.py); `held_out` scores greedy completions with it.
-- `build_tiny`: a Qwen2 with a character-level tokenizer (no download), warm-started roughly on the
-  task, built once into minirl's cache folder.
+- `warm_start`: the built-in task's tiny model (models.build_tiny) taught the answer's format and a rough count.
 - Prompt ids (B14): `prompt_id(shard, index)` is deterministic, monotonic and scoped by shard; the
   data-parallel partition deals contiguous whole groups sorted by (group_id, id).
 """
@@ -20,15 +19,13 @@ import itertools
 import json
 import os
 import random
-import shutil
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from minirl import dist, rewards
-from minirl.config import ConfigError, TaskConfig, TinyModelConfig, data_files, first_line
+from minirl.config import ConfigError, TaskConfig, data_files, first_line
 
 SHARD_BITS = 40  # up to 2**40 prompts per shard
 
@@ -388,63 +385,3 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
               "form); --model.path has a chat template, and an instruct model answers chat messages, "
               '[{"role": "user", "content": ...}] (TRL\'s conversational form, verl\'s prompts)', flush=True)
     return task
-
-
-def cache_dir() -> str:
-    return os.environ.get("MINIRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minirl"))
-
-
-# The tiny tokenizer's alphabet: one token per character, plus the specials.
-SPECIALS = ["<pad>", "<eos>", "<unk>"]
-ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=?:,.#()")  # no space: the char pre-tokenizer drops it
-
-
-# ---- the built-in tiny model ----
-
-def build_tiny(shape: TinyModelConfig) -> str:
-    """Write (once) and return the tiny model's folder. Safe to call from many ranks at once."""
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # a first run's stderr holds its errors only, not a save's progress bar
-
-    key = hashlib.sha1(json.dumps([shape.__dict__, ALPHABET, 2]).encode()).hexdigest()[:10]
-    path = os.path.join(cache_dir(), f"tiny-{key}")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return path
-    try:
-        os.makedirs(cache_dir(), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tiny-")
-    except OSError as e:  # a read-only home (some clusters' compute nodes), a full disk
-        raise ConfigError(f"the built-in model is built once into {cache_dir()}, which cannot be written "
-                          f"({e.strerror}); set MINIRL_CACHE to a folder you can write") from e
-    tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(), pad_token="<pad>",
-                                  eos_token="<eos>", unk_token="<unk>")
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=shape.max_positions, tie_word_embeddings=True,
-        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        rope_theta=10000.0, dtype="float32")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # the cached weights never depend on a run's seed
-        model = Qwen2ForCausalLM(config)
-        if shape.warm_start_steps:
-            warm_start(model, tok, shape.warm_start_steps)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another rank got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _char_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + ALPHABET)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    return tok

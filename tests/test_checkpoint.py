@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import checkpoint_names, everything, run, sigterm_after
-from minirl import checkpoint, launch, models, tasks
+from minirl import checkpoint, launch, models
 
 
 
@@ -138,7 +138,7 @@ def test_a_crafted_optimizer_item_is_refused_and_its_payload_never_runs(tmp_path
 def test_a_checkpoint_of_another_model_shape_names_the_parameter_and_both_shapes(tmp_path, world, tiny_path):
     from minirl.config import TinyModelConfig
     path, _ = saved(tmp_path, world, tiny_path)
-    wider = tasks.build_tiny(TinyModelConfig(hidden_size=192, num_heads=3))
+    wider = models.build_tiny(TinyModelConfig(hidden_size=192, num_heads=3))
     policy = models.sharded(wider, "policy", world, "float32")
     parts = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))}
     with pytest.raises(checkpoint.CheckpointError, match=r"'model\.embed_tokens\.weight' has shape \(50, 128\) "

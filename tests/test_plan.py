@@ -488,7 +488,7 @@ def test_the_built_in_model_is_planned_as_it_is_built(tmp_path, monkeypatch):
     import json
     from safetensors import safe_open
     from minirl.config import ConfigError
-    from minirl.tasks import build_tiny
+    from minirl.models import build_tiny
     monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "cache"))
     args = tyro.cli(GRPOArgs, args=["--model.tiny.hidden-size", "64", "--model.tiny.intermediate-size", "96",
                                     "--model.tiny.num-heads", "4", "--model.tiny.num-kv-heads", "2"])

@@ -226,7 +226,7 @@ def test_the_tiny_model_builds_into_an_empty_cache_and_loads(tmp_path, monkeypat
     from transformers.utils import logging as hf_logging
     from minirl.config import TinyModelConfig
     from minirl.models import load_policy, load_tokenizer
-    from minirl.tasks import build_tiny
+    from minirl.models import build_tiny
     monkeypatch.setenv("MINIRL_CACHE", str(tmp_path / "cache"))
     hf_logging.enable_progress_bar()  # as in a fresh process: an earlier load in this one turned the bars off
     capfd.readouterr()

@@ -25,7 +25,7 @@ HOST_READS = [0]  # values of CUDA tensors read on the host (`stand_ins` counts 
 
 def library() -> str:
     """fakecuda.cpp compiled for this torch, once, into minirl's cache folder; its path."""
-    from minirl.tasks import cache_dir
+    from minirl.models import cache_dir
     torch_dir = os.path.dirname(torch.__file__)
     with open(SOURCE, "rb") as f:
         key = hashlib.sha1(f.read() + torch.__version__.encode() + torch_dir.encode()).hexdigest()[:10]

@@ -56,7 +56,7 @@ def model_config(cfg) -> tuple[dict | None, str]:
     """The model's config.json without loading it or touching the network: (config or None, where)."""
     if cfg.path == TINY:
         t = cfg.tiny
-        from minirl.tasks import ALPHABET, SPECIALS
+        from minirl.models import ALPHABET, SPECIALS
         return {"model_type": "qwen2", "vocab_size": len(SPECIALS) + len(ALPHABET), "hidden_size": t.hidden_size,
                 "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
                 "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
