@@ -126,6 +126,9 @@ class TaskConfig:
     answer_key: str = ""
     """The column holding the reference answer, dotted for a nested one (verl: reward_model.ground_truth);
     empty = the first of answer, solution and reward_model.ground_truth."""
+    filter_overlong_prompts: bool = False
+    """Leave out the prompts over --rollout.max-prompt-tokens as the task loads, saying how many (verl's
+    data.filter_overlong_prompts); without it such a prompt is an error naming it (TRL cuts it)."""
     eval_prompts: int = 128
     """Held-out prompts scored greedily for `eval_accuracy`."""
     eval_path: str = ""

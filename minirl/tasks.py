@@ -101,10 +101,10 @@ class JsonlTask:
 
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
                  answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None,
-                 prompt_key: str = "prompt"):
+                 prompt_key: str = "prompt", filter_overlong: bool = False):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
-        self.prompt_key, self.seed, self._orders = prompt_key, seed, {}
+        self.prompt_key, self.seed, self._orders, self.filter_overlong = prompt_key, seed, {}, filter_overlong
         rows = self._read(path, "--task.path", limit, keys, needs_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
@@ -138,12 +138,17 @@ class JsonlTask:
             # 1,024 prompts a tokenizer call: one call a row spent 0.3 ms in transformers, most of a big file's load
             lengths += map(len, prompt_ids(self.tok, [p.prompt for p in rows[i:i + 1024]]))
         over = [i for i, n in enumerate(lengths) if n > limit]
-        if over:  # the first one's place, found by reading again (not kept for a million rows on every rank)
+        if over and self.filter_overlong:
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"{flag}={path!r}: {len(over)} of the {len(rows)} prompts have more than "
+                      f"--rollout.max-prompt-tokens={limit} tokens and are left out", flush=True)
+            rows = [p for p, n in zip(rows, lengths) if n <= limit]
+        elif over:  # the first one's place, found by reading again (not kept for a million rows on every rank)
             again = (record for f in data_files(path) for record in _records(f, flag))
             where, _ = next(itertools.islice(again, over[0], None))
             raise ConfigError(f"{where}: the prompt has more than --rollout.max-prompt-tokens={limit} tokens "
                               f"({len(over)} of the {len(rows)} prompts do; the longest has {max(lengths)}); raise "
-                              "the flag or shorten the prompts")
+                              "the flag, shorten the prompts, or leave them out with --task.filter-overlong-prompts")
         columns = dict.fromkeys(k for p in rows for k in p.row)
         for p in rows:  # every row has every column, None where its line has none, as `datasets` reads a file
             if len(p.row) < len(columns):
@@ -362,7 +367,8 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     else:
         task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key,
                          needs_answer=any(kind != "trl" for kind in scorer.kinds),
-                         template_kwargs=cfg.template_kwargs(), prompt_key=cfg.prompt_key)
+                         template_kwargs=cfg.template_kwargs(), prompt_key=cfg.prompt_key,
+                         filter_overlong=cfg.filter_overlong_prompts)
     if evaluates and not task.eval_set:
         why = ("--task.eval-prompts is 0: raise it" if not cfg.eval_prompts else  # only a file can be too short
                f"--task.eval-path={cfg.eval_path!r} holds no prompt" if cfg.eval_path else

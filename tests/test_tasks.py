@@ -147,6 +147,29 @@ def test_a_prompt_over_the_budget_is_found_when_the_task_loads(tmp_path, tiny_pa
     assert calls == [1024, 1024, 452]
 
 
+def test_prompts_over_the_budget_are_left_out_as_the_task_loads_when_asked_saying_how_many(tmp_path, tiny_path,
+                                                                                             capsys):
+    """verl's data.filter_overlong_prompts: --task.filter-overlong-prompts leaves the prompts over
+    --rollout.max-prompt-tokens out of both sets, a line for each file; without it, the error names the flag."""
+    from minirl.models import load_tokenizer
+    f, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    long = "ab" * 20 + "#a="
+    f.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["ab#a=", long, "b#a=", long]))
+    held.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in [long, "a#a="]))
+    cfg = TaskConfig(name="jsonl", path=str(f), eval_path=str(held))
+    with pytest.raises(ConfigError, match=r"raise the flag, shorten the prompts, or leave them out with "
+                                          r"--task\.filter-overlong-prompts$"):
+        make_task(cfg, 0, load_tokenizer(tiny_path), 32)
+    cfg.filter_overlong_prompts = True
+    task = make_task(cfg, 0, load_tokenizer(tiny_path), 32)
+    assert sorted(p.prompt for p in task.rows) == ["ab#a=", "b#a="]
+    assert [p.prompt for p in task.eval_set] == ["a#a="]
+    said = capsys.readouterr().out
+    assert (f"--task.path={str(f)!r}: 2 of the 4 prompts have more than --rollout.max-prompt-tokens=32 tokens and "
+            "are left out") in said
+    assert f"--task.eval-path={str(held)!r}: 1 of the 2 prompts have more than" in said
+
+
 def test_a_prompt_given_twice_is_never_both_trained_on_and_held_out(tmp_path, capsys):
     """Duplicate lines in one file: every copy of a held-out prompt leaves the training rows, with a line."""
     f = tmp_path / "train.jsonl"
