@@ -22,6 +22,7 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from minirl import dist, rewards
@@ -246,8 +247,13 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
         raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
                           "template to render them; give the prompt as text, or a model with a template")
     prefill = prompt[-1]["role"] == "assistant"  # "<think>": continued, as trl.apply_chat_template does
-    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
-                                   continue_final_message=prefill, **template_kwargs)
+    try:
+        return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
+                                       continue_final_message=prefill, **template_kwargs)
+    except jinja2.TemplateError as e:  # the template's own raise_exception: Gemma's "System role not supported"
+        raise ConfigError(f"{where}: the chat template of --model.path refused these messages ({first_line(e)}); "
+                          "write them as it takes them (Gemma's takes no system message: put it in the first "
+                          "user message)") from e
 
 
 def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:

@@ -448,6 +448,22 @@ def test_chat_prompts_need_a_tokenizer_with_a_chat_template(tmp_path, tok, says)
         assert sorted(p.prompt for p in task.rows + task.eval_set) == [f"<user>q{i}<assistant>" for i in range(5)]
 
 
+def test_messages_a_chat_template_refuses_are_named_by_their_row_in_one_line(tmp_path, tiny_path):
+    """Gemma's template raises on a system message (Mistral's and Llama 2's on roles that do not alternate): the
+    load said jinja2's traceback; it names the row, the template's reason and the way on."""
+    from minirl.models import load_tokenizer
+    tok = load_tokenizer(tiny_path)
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    f = tmp_path / "chat.jsonl"
+    rows = [[{"role": "user", "content": "q"}], [{"role": "system", "content": "Be brief."}, {"role": "user",
+                                                                                            "content": "q"}]]
+    f.write_text("".join(json.dumps({"prompt": r, "answer": "1"}) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=rf"^--task\.path: {f}:2: the chat template of --model\.path refused these "
+                                          r"messages \(System role not supported\); write them as it takes them"):
+        JsonlTask(str(f), 0, 0, tok=tok)
+
+
 class _Engine:
     def __init__(self):
         self.greedy = []
