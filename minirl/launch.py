@@ -239,20 +239,22 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         if said:
             print(said, file=sys.stderr)
             if code not in (130, 128 + signal.SIGTERM):  # a stop (torchrun's own, of the others) is no cause
-                error_file(said)
+                error_file(said, later=code == 4)
         dist.shutdown()
     leave(code)
 
 
-def error_file(line: str) -> None:
+def error_file(line: str, later: bool = False) -> None:
     """Under torchrun, a failure's line goes to the worker's error file (TORCHELASTIC_ERROR_FILE) too: torchrun's
     failure summary, the last thing a multi-process launch prints, shows it as the worker's `traceback` (it said
-    only "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
+    only "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"). Its root cause is the
+    failure of the earliest whole second, a tie going to the lowest rank: a lost peer, the consequence of another
+    rank's failure, is stamped `later` by a second, so the rank that failed first is named (not rank 0's notice)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
+                json.dump({"message": line, "timestamp": int(time.time()) + later}, f)
         except OSError:
             pass
 

@@ -634,10 +634,15 @@ def test_each_way_a_command_ends_is_one_line_and_its_exit_code(monkeypatch, caps
             raise error
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
     launch.run("minirl.grpo", main, [])
     assert ended == ["shutdown", code] and capsys.readouterr().err.splitlines() == ([line] if line else [])
-    told = json.loads((tmp_path / "error.json").read_text())["message"] if code not in (0, 130, 143) else None
-    assert told == (None if code in (0, 130, 143) else line) and (tmp_path / "error.json").exists() == bool(told)
+    told = json.loads((tmp_path / "error.json").read_text()) if code not in (0, 130, 143) else {}
+    assert told.get("message") == (None if code in (0, 130, 143) else line)
+    assert (tmp_path / "error.json").exists() == bool(told)
+    # torchrun's root cause is the earliest whole second, a tie to the lowest rank: a lost peer (another rank's
+    # failure seen from here) comes a second after a failure of the same moment
+    assert told.get("timestamp") == (None if not told else 1001 if code == 4 else 1000)
 
 
 def test_torchruns_failure_summary_shows_the_ranks_one_line():
