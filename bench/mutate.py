@@ -38,16 +38,20 @@ TESTS = {  # module -> the unit tests that guard it
     "config": ["tests/test_config.py"],
     "config_grpo": ["tests/test_config.py", "tests/test_grpo_update.py"],
     "config_ppo": ["tests/test_config.py"],
-    "tasks": ["tests/test_tasks.py", "tests/test_rewards.py"],
+    "tasks": ["tests/test_tasks.py", "tests/test_rewards.py",  # and the load's two hints, said by the first rank
+              "tests/test_user_data.py::test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verls_"
+              "function",
+              "tests/test_user_data.py::test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_"
+              "they_are"],
     "stream": ["tests/test_stream.py"],
     "logger": ["tests/test_logger.py"],
     "flags": ["tests/test_config.py", "tests/test_launch.py"],
-    "models": ["tests/test_models.py", "tests/test_packing.py"],
+    "models": ["tests/test_models.py", "tests/test_packing.py", "tests/test_tasks.py"],  # build_tiny's: test_tasks
     "checkpoint": ["tests/test_checkpoint.py"],
     "offload": ["tests/test_offload.py"],
     "dist": ["tests/test_dist.py"],
     "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
-    "launch": ["tests/test_launch.py", "tests/test_rundir.py"],
+    "launch": ["tests/test_launch.py", "tests/test_rundir.py", "tests/test_models.py"],  # the model folder's checks
     "grpo": ["tests/test_grpo_update.py", "tests/test_offload.py"],  # the update; the loop around a scripted engine
     "ppo": ["tests/test_ppo.py"],
     "placement": ["tests/test_ppo.py"],

@@ -153,8 +153,8 @@ def test_prompts_over_the_budget_are_left_out_as_the_task_loads_when_asked_sayin
     --rollout.max-prompt-tokens out of both sets, a line for each file; without it, the error names the flag."""
     from minirl.models import load_tokenizer
     f, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-    long = "ab" * 20 + "#a="
-    f.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["ab#a=", long, "b#a=", long]))
+    long, full = "ab" * 20 + "#a=", "a" * 29 + "#a="  # 43 tokens, and 32: the budget holds it
+    f.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["ab#a=", long, full, long]))
     held.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in [long, "a#a="]))
     cfg = TaskConfig(name="jsonl", path=str(f), eval_path=str(held))
     with pytest.raises(ConfigError, match=r"raise the flag, shorten the prompts, or leave them out with "
@@ -162,7 +162,7 @@ def test_prompts_over_the_budget_are_left_out_as_the_task_loads_when_asked_sayin
         make_task(cfg, 0, load_tokenizer(tiny_path), 32)
     cfg.filter_overlong_prompts = True
     task = make_task(cfg, 0, load_tokenizer(tiny_path), 32)
-    assert sorted(p.prompt for p in task.rows) == ["ab#a=", "b#a="]
+    assert sorted(p.prompt for p in task.rows) == sorted(["ab#a=", full])
     assert [p.prompt for p in task.eval_set] == ["a#a="]
     said = capsys.readouterr().out
     assert (f"--task.path={str(f)!r}: 2 of the 4 prompts have more than --rollout.max-prompt-tokens=32 tokens and "
