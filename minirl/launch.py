@@ -128,7 +128,8 @@ def resolve_path(cfg: ModelConfig) -> str:
 
 
 def check_folder(path: str) -> None:
-    """A Hugging Face folder minirl can load: a config.json naming its model type, a tokenizer, whole safetensors."""
+    """A Hugging Face folder minirl can load: a config.json naming its model type, a tokenizer, whole safetensors
+    files, and every weight its model has, in its shape (`_check_weights`)."""
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError(f"--model.path={path!r} has no config.json: not a Hugging Face model folder")

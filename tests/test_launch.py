@@ -665,6 +665,7 @@ def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monk
     monkeypatch.setattr(dist, "shutdown", lambda: ended.append("shutdown"))
     monkeypatch.setattr(launch, "leave", lambda c: ended.append(c))
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # torchrun's summary: the first line
+    monkeypatch.setattr(launch.time, "time", lambda: 1000.5)
 
     def main(argv):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n(more on another line)")
@@ -672,8 +673,8 @@ def test_any_other_error_keeps_its_traceback_and_still_shuts_the_group_down(monk
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         launch.run("minirl.grpo", main, [])
     assert ended == ["shutdown"]
-    told = json.loads((tmp_path / "error.json").read_text())["message"]
-    assert told == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    told = json.loads((tmp_path / "error.json").read_text())
+    assert told == {"message": "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", "timestamp": 1000}
 
 
 def test_export_reads_the_model_from_the_checkpoints_run_or_asks_for_the_flag(tmp_path):
