@@ -236,11 +236,12 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
         if not prompt.strip():
             raise ConfigError(f"{where}: the prompt is empty")
         return prompt
-    if not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt)):
+    if not (isinstance(prompt, list) and prompt and all(map(_is_message, prompt))):
         got = f"a {type(prompt).__name__}" if key in row else \
             f"missing (the row's columns: {', '.join(row)}; name the prompt's with --task.prompt-key)"
+        if isinstance(prompt, list) and prompt:  # which message is not one (OpenAI's list of content parts, say)
+            n = next(i for i, m in enumerate(prompt) if not _is_message(m))
+            got = f"message {n + 1} as {json.dumps(prompt[n])[:100]} (its role and content must be text)"
         raise ConfigError(f"{where}: \"{key}\" must be a string or a list of chat messages "
                           f"[{{\"role\": ..., \"content\": ...}}], got {got}")
     if tok is None or not getattr(tok, "chat_template", None):
@@ -254,6 +255,10 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
         raise ConfigError(f"{where}: the chat template of --model.path refused these messages ({first_line(e)}); "
                           "write them as it takes them (Gemma's takes no system message: put it in the first "
                           "user message)") from e
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:
