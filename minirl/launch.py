@@ -177,15 +177,9 @@ def _check_weights(path: str) -> None:
     files' names and shapes onto the meta device (no data). It would start a missing weight at random and only
     warn, and vLLM serves the missing half of a weight it fuses (gate with up) as whatever memory held."""
     import transformers
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report: what matters is said below, in a line
-    try:
+    with models.quiet_load():  # its load report: what matters is said below, in a line
         _, info = transformers.AutoModelForCausalLM.from_pretrained(
             path, device_map="meta", ignore_mismatched_sizes=True, output_loading_info=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     missing, wrong = sorted(info["missing_keys"]), sorted(info["mismatched_keys"])
     if missing:
         raise ConfigError(f"--model.path: {path} lacks {len(missing)} weight(s) of its model "

@@ -10,6 +10,7 @@ Shapes: B sequences, T tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,25 +37,34 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+@contextlib.contextmanager
+def quiet_load(report: bool = False):
+    """A transformers load without its progress bar, and without its load report unless `report` (transformers'
+    verbosity is put back after)."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    if not report:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def _pretrained(auto: str, path: str, dtype: torch.dtype) -> nn.Module:
     """A transformers `Auto*` class's model from `path`, for training: no dropout (the engine samples
     without it, and pi_old must be that policy: TRL's and OpenRLHF's disable_dropout), no KV cache (with
     one, packed rows would mix) and no progress bar per load on every rank. The folder holds every weight the
     model has (`check_folder`)."""
     import transformers
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(path)
     for key, value in config.to_dict().items():  # GPT-2's resid_pdrop, Qwen2's attention_dropout, ...
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
-    verbosity = hf_logging.get_verbosity()
-    if auto == "AutoModel":  # the critic's backbone: the load report lists the LM head it leaves out by design
-        hf_logging.set_verbosity_error()
-    try:
+    # the critic's backbone: the load report would list the LM head it leaves out by design
+    with quiet_load(report=auto != "AutoModel"):
         model = getattr(transformers, auto).from_pretrained(path, config=config, dtype=dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     model.config.use_cache = False
     # vLLM 0.32 serves some families (GPT-NeoX, OLMo 2, Phi) through its Transformers backend, which rewrites
     # their transformers base class in this process as the engine is built: its __call__ then reads
