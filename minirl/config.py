@@ -120,7 +120,7 @@ class TaskConfig:
     .arrow file of such rows (for --task.name jsonl; .arrow: the datasets library's save_to_disk); a quoted pattern
     reads every file it matches, in name order (a hub dataset's shards: 'gsm8k/main/train-*.parquet'). A prompt is
     text or chat messages [{"role": ..., "content": ...}] (rendered by the model's chat template); the answer is a
-    string or a number."""
+    string or a number (a list or an object reaches a --task.reward function as it is: Search-R1's targets)."""
     prompt_key: str = "prompt"
     """The column holding the prompt, text or chat messages (verl's data.prompt_key; raw GSM8K's is question)."""
     answer_key: str = ""

@@ -49,7 +49,7 @@ def dp_partition(keys: list[tuple[int, int]], rank: int, dp: int) -> list[int]:
 @dataclass(frozen=True)
 class Problem:
     prompt: str                                            # the text the engine is given (chat template applied)
-    answer: str                                            # the reference, as the reward functions get it
+    answer: str | list | dict                              # the reference, as the reward functions get it
     row: dict = field(default_factory=dict, compare=False)  # the data row, every column (rewards ask for them)
 
 
@@ -96,14 +96,17 @@ class JsonlTask:
     ConfigError naming file:line and the flag). A prompt (the column --task.prompt-key names) is text or chat
     messages (through the chat template, as verl's dataset does); the answer is the first of --task.answer-key
     (dotted: nested), "answer", "solution", "reward_model.ground_truth", and may be missing when `needs_answer`
-    is False (TRL's functions read their own columns). Every row keeps its columns for the rewards."""
+    is False (TRL's functions read their own columns). A list or an object (Search-R1's {"target": [...]}) is
+    kept as it is for functions that read it, unless `text_answer` (a built-in reward compares text). Every row
+    keeps its columns for the rewards."""
 
     ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
 
     def __init__(self, path: str, seed: int, eval_prompts: int, eval_path: str = "", tok=None, limit: int = 0,
                  answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None,
-                 prompt_key: str = "prompt", filter_overlong: bool = False):
+                 prompt_key: str = "prompt", filter_overlong: bool = False, text_answer: bool = True):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
+        self.text_answer = text_answer
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
         self.prompt_key, self.seed, self._orders, self.filter_overlong = prompt_key, seed, {}, filter_overlong
         rows = self._read(path, "--task.path", limit, keys, needs_answer)
@@ -133,7 +136,7 @@ class JsonlTask:
                     raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
                                       f"{type(r).__name__}")
                 prompt = _prompt_text(r, self.prompt_key, self.tok, self.template_kwargs, where)
-                rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed)), r))
+                rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed, self.text_answer)), r))
         lengths = []
         for i in range(0, len(rows) if self.tok is not None and limit else 0, 1024):
             # 1,024 prompts a tokenizer call: one call a row spent 0.3 ms in transformers, most of a big file's load
@@ -157,7 +160,9 @@ class JsonlTask:
         return rows
 
     @staticmethod
-    def _reference(answer: str) -> str:
+    def _reference(answer):
+        if not isinstance(answer, str):  # a list or an object, for the functions that read it
+            return answer
         ref = answer.split("####")[-1].strip()
         return ref.replace(",", "") if rewards.is_number(ref) else ref  # "1,000" -> "1000"; "Paris, TX" stays
 
@@ -261,8 +266,9 @@ def _is_message(m) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
-def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:
-    """The row's reference under the first key present (dotted: nested), as text ("" if missing, not `needed`)."""
+def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool, text: bool):
+    """The row's reference under the first key present (dotted: nested): a number as text, a list or an object
+    as it is unless `text` ("" if missing, not `needed`)."""
     for key in keys:
         value = row
         for part in key.split("."):
@@ -273,10 +279,14 @@ def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool) -> str:
         return ""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(int(value)) if float(value).is_integer() else repr(value)
+    if isinstance(value, (list, dict)) and not text:
+        return value
     if not isinstance(value, str):
         got = "missing" if value is None else f"a {type(value).__name__}"
         raise ConfigError(f"{where}: the answer ({' or '.join(keys)}) must be a string or a number, got {got}; "
-                          "name its column with --task.answer-key")
+                          "name its column with --task.answer-key" + (
+                              " (a list or an object reaches a --task.reward function as it is; the built-in "
+                              "reward compares text)" if isinstance(value, (list, dict)) else ""))
     return value
 
 
@@ -378,6 +388,7 @@ def make_task(cfg: TaskConfig, seed: int, tok=None, limit: int = 0, evaluates: b
     else:
         task = JsonlTask(cfg.path, seed, cfg.eval_prompts, cfg.eval_path, tok, limit, cfg.answer_key,
                          needs_answer=any(kind != "trl" for kind in scorer.kinds),
+                         text_answer=any(spec in rewards.BUILT_IN.values() for spec in scorer.specs),
                          template_kwargs=cfg.template_kwargs(), prompt_key=cfg.prompt_key,
                          filter_overlong=cfg.filter_overlong_prompts)
     if evaluates and not task.eval_set:

@@ -286,3 +286,40 @@ def test_a_mis_signatured_reward_exits_2_before_the_engine_and_one_failing_later
                                  "the completion " in p.stdout, p.stdout[-2000:]
     assert last.startswith(f"minirl.grpo: error: --task.reward {tmp_path}/bad_rw.py:hangs failed on the completion ")
     assert "no return within --task.reward-timeout=3 s" in last and "Traceback" not in p.stderr
+
+
+SEARCH_R1_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's search_r1_like_qa_em.compute_score reads the targets as ground_truth["target"]."""
+    return float(solution_str.strip().lower() in [t.lower() for t in ground_truth["target"]])
+
+
+def aliases(completions, answer, **kwargs):
+    """A TRL function reading a TriviaQA-style answer column, {"value": ..., "aliases": [...]}."""
+    return [float(c in a["aliases"]) for c, a in zip(completions, answer)]
+'''
+
+
+def test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is(tmp_path):
+    """verl's Search-R1 rows keep their targets as reward_model.ground_truth = {"target": [...]}, and TriviaQA's
+    answer is an object of aliases: both were refused at load as "must be a string or a number, got a dict"."""
+    import pyarrow
+    import pyarrow.parquet
+    rows = [{"data_source": "nq", "prompt": f"Who wrote book {i}?", "answer": {"value": f"A{i}", "aliases": [f"A{i}", "B"]},
+             "reward_model": {"style": "rule", "ground_truth": {"target": [f"A{i}", f"a. {i}"]}}} for i in range(10)]
+    data = tmp_path / "search_r1.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), data)
+    (tmp_path / "sr1.py").write_text(SEARCH_R1_REWARD)
+    verl = make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, answer_key="reward_model.ground_truth",
+                                reward=[f"{tmp_path}/sr1.py:compute_score"]), 0)
+    first = verl.rows[0]
+    assert first.answer == first.row["reward_model"]["ground_truth"] and isinstance(first.answer["target"], list)
+    target = first.answer["target"]
+    assert verl.scorer([target[1].upper(), "C"], [first.answer] * 2, [False] * 2, [first.row] * 2)[0] == [1.0, 0.0]
+    trl = make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=[f"{tmp_path}/sr1.py:aliases"]), 0)
+    assert trl.rows[0].answer == trl.rows[0].row["answer"] and "aliases" in trl.rows[0].answer
+    assert trl.scorer(["B", "C"], [trl.rows[0].answer] * 2, [False] * 2, [trl.rows[0].row] * 2)[0] == [1.0, 0.0]
+    for reward in ([], [f"{tmp_path}/sr1.py:aliases", "minirl.rewards:gsm8k"]):  # the built-in reward compares text
+        with pytest.raises(ConfigError, match=r"search_r1\.parquet: row 1: the answer .* must be a string or a number, got "
+                                              r"a dict; .* \(a list or an object reaches a --task\.reward function"):
+            make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=reward), 0)
