@@ -358,6 +358,11 @@ def test_each_flags_help_is_one_paragraph_wrapped_to_the_terminal(loop, capsys, 
     (["--num-generations=4"], "--num-generations is not a flag of this command (see --help); did you mean "
                               "--rl.group-size?"),
     (["--rl.beta", "0.1"], "did you mean --rl.kl-coef"),
+    # open-r1's GRPO recipes (TRL's GRPOConfig beside open-r1's script and model arguments)
+    (["--torch_dtype", "bfloat16"], "did you mean --model.dtype?"),
+    (["--dataset_prompt_column", "problem"], "did you mean --task.prompt-key?"),
+    (["--warmup_ratio", "0.1"], "did you mean --rl.lr-warmup-steps?"),
+    (["--log_completions"], "did you mean --log.train-samples?"),
     # verl's Hydra overrides, all at once (a value after a flag is the flag's, whatever it holds)
     (["--steps", "2", "actor_rollout_ref.actor.optim.lr=1e-6", "--log.run-dir", "a=b", "+data.train_batch_size=4"],
      "minirl takes flags (--name value), not Hydra's key=value: 2 keys are not flags of this command (see --help): "
