@@ -237,6 +237,8 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
     """A row's prompt (its column `key`) as the engine's text: itself, or chat messages through the tokenizer's
     template (with --task.chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
     prompt = row.get(key)
+    if isinstance(prompt, list):
+        prompt = [_joined(m) for m in prompt]
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ConfigError(f"{where}: the prompt is empty")
@@ -246,7 +248,7 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
             f"missing (the row's columns: {', '.join(row)}; name the prompt's with --task.prompt-key)"
         if isinstance(prompt, list) and prompt:  # which message is not one (OpenAI's list of content parts, say)
             n = next(i for i, m in enumerate(prompt) if not _is_message(m))
-            got = f"message {n + 1} as {json.dumps(prompt[n])[:100]} (its role and content must be text)"
+            got = f"message {n + 1} as {json.dumps(prompt[n])[:100]} (its role and content must be text or text parts)"
         raise ConfigError(f"{where}: \"{key}\" must be a string or a list of chat messages "
                           f"[{{\"role\": ..., \"content\": ...}}], got {got}")
     if tok is None or not getattr(tok, "chat_template", None):
@@ -260,6 +262,16 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
         raise ConfigError(f"{where}: the chat template of --model.path refused these messages ({first_line(e)}); "
                           "write them as it takes them (Gemma's takes no system message: put it in the first "
                           "user message)") from e
+
+
+def _joined(m):
+    """A message whose content is OpenAI's list of text parts, [{"type": "text", "text": ...}], with its parts
+    joined by newlines, as vLLM's chat API renders them for a text model; any other message as it is."""
+    parts = m.get("content") if isinstance(m, dict) else None
+    if isinstance(parts, list) and parts and all(isinstance(p, dict) and p.get("type") == "text"
+                                                 and isinstance(p.get("text"), str) for p in parts):
+        return {**m, "content": "\n".join(p["text"] for p in parts)}
+    return m
 
 
 def _is_message(m) -> bool:

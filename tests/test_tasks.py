@@ -86,9 +86,10 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
                                         'string or a number, got a bool; name its column with --task.answer-key'),
     ('{"prompt": {"text": "q"}, "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
     ('{"prompt": [{"role": "user"}], "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
-    ('{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": '
-     '"q"}]}], "answer": "1"}', 'got message 2 as {"role": "user", "content": [{"type": "text", "text": "q"}]} (its '
-                                'role and content must be text)'),  # OpenAI's content parts
+    ('{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image_url", '
+     '"image_url": {"url": "a.png"}}]}], "answer": "1"}', 'got message 2 as {"role": "user", "content": [{"type": '
+                                                         '"image_url", "image_url": {"url": "a.png"}}]} (its role and '
+                                                         'content must be text or text parts)'),  # an image part
     ('{"prompt": "q"}', 'the answer (answer or solution or reward_model.ground_truth) must be a string or a number, '
                         'got missing'),
     ('{"answer": "1"}', '"prompt" must be a string or a list of chat messages [{"role": ..., "content": ...}], '

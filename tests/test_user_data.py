@@ -323,3 +323,15 @@ def test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is(tmp_p
         with pytest.raises(ConfigError, match=r"search_r1\.parquet: row 1: the answer .* must be a string or a number, got "
                                               r"a dict; .* \(a list or an object reaches a --task\.reward function"):
             make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=reward), 0)
+
+
+def test_a_message_of_openais_text_parts_renders_as_its_text_joined_by_newlines(chat_model, tmp_path):
+    """OpenAI's content parts, [{"type": "text", "text": ...}], as vLLM's chat API takes them for a text model (the
+    parts joined by newlines): they were refused as "its role and content must be text"."""
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": p.prompt[:3]},
+                                                     {"type": "text", "text": p.prompt[3:-1]}]}], "answer": p.answer}
+            for p in problems(5)]
+    task = make_task(TaskConfig(name="jsonl", path=str(write_jsonl(tmp_path / "parts.jsonl", rows)), eval_prompts=0),
+                     0, load_tokenizer(str(chat_model)), 32)
+    assert sorted(p.prompt for p in task.rows) == sorted(q.prompt[:3] + "\n" + q.prompt[3:] for q in problems(5))
+    assert task.rows[0].row["prompt"][0]["content"][0]["type"] == "text"  # the row, as TRL's functions get it
