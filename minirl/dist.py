@@ -231,6 +231,8 @@ def lost_peer(e: BaseException) -> PeerLost | None:
     operation, gloo's "Connection closed/reset by peer [addr]:port" in a collective), else None."""
     if isinstance(e, PeerLost):
         return e
+    if isinstance(e, BrokenPipeError):  # Python's own: a write to a closed pipe (the console's reader left)
+        return None
     text = first_line(e) or type(e).__name__
     network = isinstance(e, dist.DistNetworkError) or any(
         w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))

@@ -301,7 +301,10 @@ def parse(cls, argv: list[str] | None, description: str, lenient: bool = False):
         # this run's own switches, never another's (a config.json reruns a recipe), in either spelling
         default = fill(cls(), data, "", lenient, skip={"config", *PER_RUN})
         default.config = path
-    args = tyro.cli(cls, args=argv, default=default, description=description)
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m minirl.grpo`: not the file's path
+    prog = f"python -m {main.name}" if main is not None and main.name.startswith("minirl.") else \
+        os.path.basename(sys.argv[0])  # a console script's name, not its path
+    args = tyro.cli(cls, args=argv, default=default, description=description, prog=prog)
     _home(args)
     # a recipe's own run dir is not dropped without a word: said once, by rank 0 (the rehearsal's child parses again)
     if not lenient and int(os.environ.get("RANK", 0)) == 0 and os.environ.get("MINIRL_REHEARSAL_CHILD") != "1":

@@ -224,6 +224,9 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         said, code = f"{name}: stopped by SIGTERM", e.code
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         said, code = f"{name}: stopped: {e}", 3
+    except BrokenPipeError:  # the console's reader left (`--help | head`): quiet, as the signal module's docs say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python flushes it
+        code = 1
     except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
         lost = dist.lost_peer(e)
         if lost is None:  # any other error keeps its traceback; torchrun's summary shows the error's first line

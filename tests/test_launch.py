@@ -332,6 +332,25 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
     assert not re.findall(r"\b[BSX]\d{1,2}\b|B_r\b", out), re.findall(r".{30}\b[BSX]\d{1,2}\b.{10}", out)
 
 
+def test_help_into_a_closed_pipe_ends_quietly_and_names_the_command_as_it_was_run():
+    """`python -m minirl.grpo --help | head`: the help into a pipe its reader has closed was "this rank lost a
+    peer: Broken pipe", exit 4 (Python's BrokenPipeError taken for gloo's); and the usage line named the
+    module's file (`usage: /path/to/minirl/grpo.py`) where a user typed `python -m minirl.grpo`."""
+    import subprocess
+    r, w = os.pipe()
+    os.close(r)  # no reader: the first write fails with EPIPE
+    try:
+        p = subprocess.run([sys.executable, "-m", "minirl.grpo", "--help"], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (1, "")  # Python's own convention for EPIPE, and nothing said
+    p = run([sys.executable, "-m", "minirl.grpo", "--help"], timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: python -m minirl.grpo [-h]"), p.stdout[:80]
+    p = run([script("minirl-ppo"), "--help"], timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: minirl-ppo [-h]"), p.stdout[:80]
+
+
 @pytest.mark.parametrize("loop", ["grpo", "ppo"])
 def test_each_flags_help_is_one_paragraph_wrapped_to_the_terminal(loop, capsys, monkeypatch):
     """In an 80-column terminal every line of a flag's help but its last is filled: tyro kept the line breaks
