@@ -323,6 +323,9 @@ def test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is(tmp_p
         with pytest.raises(ConfigError, match=r"search_r1\.parquet: row 1: the answer .* must be a string or a number, got "
                                               r"a dict; .* \(a list or an object reaches a --task\.reward function"):
             make_task(TaskConfig(name="jsonl", path=str(data), eval_prompts=0, reward=reward), 0)
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "q", "answer": True}] * 5)  # no list nor object
+    with pytest.raises(ConfigError, match=r"bare\.jsonl:1: the answer .* must be a string or a number, got a bool"):
+        make_task(TaskConfig(name="jsonl", path=str(bare), eval_prompts=0, reward=[f"{tmp_path}/sr1.py:compute_score"]), 0)
 
 
 def test_a_message_of_openais_text_parts_renders_as_its_text_joined_by_newlines(chat_model, tmp_path):
