@@ -92,6 +92,8 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
                                                          'content must be text or text parts)'),  # an image part
     ('{"prompt": "q"}', 'the answer (answer or solution or reward_model.ground_truth) must be a string or a number, '
                         'got missing'),
+    ('{"prompt": "q", "answer": {"target": ["1"]}}', 'must be a string or a number, got a dict; name its column with '
+                                                     '--task.answer-key (a list or an object reaches a --task.reward'),
     ('{"answer": "1"}', '"prompt" must be a string or a list of chat messages [{"role": ..., "content": ...}], '
                         'got missing'),
     ('[1, 2]', "expected an object"),
@@ -164,6 +166,8 @@ def test_prompts_over_the_budget_are_left_out_as_the_task_loads_when_asked_sayin
     with pytest.raises(ConfigError, match=r"raise the flag, shorten the prompts, or leave them out with "
                                           r"--task\.filter-overlong-prompts$"):
         make_task(cfg, 0, load_tokenizer(tiny_path), 32)
+    with pytest.raises(ConfigError, match=r"--task\.filter-overlong-prompts$"):  # the task's own default: refused
+        JsonlTask(str(f), 0, 0, tok=load_tokenizer(tiny_path), limit=32)
     cfg.filter_overlong_prompts = True
     task = make_task(cfg, 0, load_tokenizer(tiny_path), 32)
     assert sorted(p.prompt for p in task.rows) == sorted(["ab#a=", full])
