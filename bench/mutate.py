@@ -38,11 +38,13 @@ TESTS = {  # module -> the unit tests that guard it
     "config": ["tests/test_config.py"],
     "config_grpo": ["tests/test_config.py", "tests/test_grpo_update.py"],
     "config_ppo": ["tests/test_config.py"],
-    "tasks": ["tests/test_tasks.py", "tests/test_rewards.py",  # and the load's two hints, said by the first rank
+    "tasks": ["tests/test_tasks.py", "tests/test_rewards.py",  # the load's two hints, said by the first rank,
               "tests/test_user_data.py::test_rows_of_a_verl_data_source_the_built_in_reward_does_not_score_name_verls_"
               "function",
               "tests/test_user_data.py::test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_"
-              "they_are"],
+              "they_are",  # and the answers and messages kept as TRL's and verl's functions read them
+              "tests/test_user_data.py::test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is",
+              "tests/test_user_data.py::test_a_message_of_openais_text_parts_renders_as_its_text_joined_by_newlines"],
     "stream": ["tests/test_stream.py"],
     "logger": ["tests/test_logger.py"],
     "flags": ["tests/test_config.py", "tests/test_launch.py"],
