@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import inspect
@@ -224,9 +225,11 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         said, code = f"{name}: stopped by SIGTERM", e.code
     except StalledError as e:  # the run can no longer learn: say why, no traceback
         said, code = f"{name}: stopped: {e}", 3
-    except BrokenPipeError:  # the console's reader left (`--help | head`): quiet, as the signal module's docs say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python flushes it
+    except BrokenPipeError:  # a pipe's reader left (`--help | head`, a `tee` that died): no peer is lost
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe (the signal module's docs)
         code = 1
+        if not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):  # a run: say why it stopped
+            said = f"{name}: stopped: its output goes to a pipe whose reader has closed it (Broken pipe)"
     except Exception as e:  # a peer rank, its node or the run's store is gone: say which, no traceback
         lost = dist.lost_peer(e)
         if lost is None:  # any other error keeps its traceback; torchrun's summary shows the error's first line
@@ -235,7 +238,8 @@ def run(name: str, main, argv: list[str] | None = None) -> None:
         said, code = f"{name}: error: {lost}", 4
     finally:
         if said:
-            print(said, file=sys.stderr)
+            with contextlib.suppress(OSError):  # standard error may be that closed pipe too
+                print(said, file=sys.stderr)
             if code not in (130, 128 + signal.SIGTERM):  # a stop (torchrun's own, of the others) is no cause
                 error_file(said, later=code == 4)
         dist.shutdown()

@@ -332,19 +332,22 @@ def test_help_describes_the_command_for_users_without_rule_ids(loop, capsys):
     assert not re.findall(r"\b[BSX]\d{1,2}\b|B_r\b", out), re.findall(r".{30}\b[BSX]\d{1,2}\b.{10}", out)
 
 
-def test_help_into_a_closed_pipe_ends_quietly_and_names_the_command_as_it_was_run():
+def test_output_into_a_closed_pipe_is_no_lost_peer_and_help_names_the_command_as_it_was_run(tmp_path):
     """`python -m minirl.grpo --help | head`: the help into a pipe its reader has closed was "this rank lost a
-    peer: Broken pipe", exit 4 (Python's BrokenPipeError taken for gloo's); and the usage line named the
-    module's file (`usage: /path/to/minirl/grpo.py`) where a user typed `python -m minirl.grpo`."""
+    peer: Broken pipe", exit 4 (Python's BrokenPipeError taken for gloo's), and so was a run whose `tee` died;
+    the usage line named the module's file (`usage: /path/to/minirl/grpo.py`) where `python -m minirl.grpo`
+    was typed."""
     import subprocess
     r, w = os.pipe()
     os.close(r)  # no reader: the first write fails with EPIPE
     try:
-        p = subprocess.run([sys.executable, "-m", "minirl.grpo", "--help"], stdout=w, stderr=subprocess.PIPE,
-                           text=True, timeout=120)
+        said = [subprocess.run([sys.executable, "-m", "minirl.grpo", *flags], stdout=w, stderr=subprocess.PIPE,
+                               text=True, timeout=300) for flags in (["--help"], ["--log.run-dir", str(tmp_path)])]
     finally:
         os.close(w)
-    assert (p.returncode, p.stderr) == (1, "")  # Python's own convention for EPIPE, and nothing said
+    assert (said[0].returncode, said[0].stderr) == (1, "")  # Python's own convention for EPIPE, and quiet
+    assert (said[1].returncode, said[1].stderr) == (1, "minirl.grpo: stopped: its output goes to a pipe whose "
+                                                       "reader has closed it (Broken pipe)\n")
     p = run([sys.executable, "-m", "minirl.grpo", "--help"], timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("usage: python -m minirl.grpo [-h]"), p.stdout[:80]
     p = run([script("minirl-ppo"), "--help"], timeout=120)
