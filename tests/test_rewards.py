@@ -664,13 +664,14 @@ def test_a_trl_function_sees_a_continued_prefill_open_the_completion_and_leave_t
     reward for `^<think>` paid nothing here)."""
     (tmp_path / "think_rw.py").write_text(
         "def think(completions, prompts, **kw):\n"
-        "    assert [p[-1]['role'] for p in prompts] == ['user', 'user']\n"
+        "    assert [p[-1]['role'] for p in prompts] == ['user', 'user', 'user']\n"
         "    return [float(c[0]['content'].startswith('<think>')) for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ask = [{"role": "system", "content": "Think first."}, {"role": "user", "content": "2+2?"}]
-    rows = [{"prompt": ask + [{"role": "assistant", "content": "<think>"}]}, {"prompt": ask}]
-    total, parts = Scorer(["think_rw:think"], [])(["4</think>4", "4"], ["", ""], [False, False], rows)
-    assert parts == [[1.0, 0.0]] and total == [1.0, 0.0]
+    rows = [{"prompt": ask + [{"role": "assistant", "content": "<think>"}]}, {"prompt": ask},
+            {"prompt": ask + [{"role": "assistant", "content": [{"type": "text", "text": "<think>"}]}]}]  # its parts
+    total, parts = Scorer(["think_rw:think"], [])(["4</think>4", "4", "4</think>4"], ["", "", ""], [False] * 3, rows)
+    assert parts == [[1.0, 0.0, 1.0]] and total == [1.0, 0.0, 1.0]
 
 
 def test_a_row_no_function_scores_is_said_once_as_trl_warns():
