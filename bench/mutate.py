@@ -44,7 +44,7 @@ TESTS = {  # module -> the unit tests that guard it
               "tests/test_user_data.py::test_text_prompts_for_a_model_with_a_chat_template_are_said_to_reach_it_as_"
               "they_are",  # and the answers and messages kept as TRL's and verl's functions read them
               "tests/test_user_data.py::test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is",
-              "tests/test_user_data.py::test_a_message_of_openais_text_parts_renders_as_its_text_joined_by_newlines",
+              "tests/test_user_data.py::test_a_message_of_openais_text_parts_renders_as_vllms_chat_api_renders_it",
               "tests/test_user_data.py::test_trls_quickstart_rows_without_an_answer_load_for_a_trl_function_alone"],
     "stream": ["tests/test_stream.py"],
     "logger": ["tests/test_logger.py"],

@@ -397,7 +397,7 @@ def _trl_inputs(rows: list[dict], texts: list[str], key: str) -> tuple[list, lis
             completions.append(text)
             continue
         prefill = prompt[-1]["content"] if prompt[-1].get("role") == "assistant" else None
-        if isinstance(prefill, list):  # OpenAI's text parts, joined as the prompt's were (tasks._joined)
+        if isinstance(prefill, list):  # OpenAI's text parts, joined by newlines as vLLM joins a message's
             prefill = "\n".join(part["text"] for part in prefill)
         prompts.append(prompt if prefill is None else prompt[:-1])
         completions.append([{"role": "assistant", "content": (prefill or "") + text}])

@@ -237,8 +237,6 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
     """A row's prompt (its column `key`) as the engine's text: itself, or chat messages through the tokenizer's
     template (with --task.chat-template-kwargs, e.g. Qwen3's enable_thinking)."""
     prompt = row.get(key)
-    if isinstance(prompt, list):
-        prompt = [_joined(m) for m in prompt]
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ConfigError(f"{where}: the prompt is empty")
@@ -254,6 +252,9 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
     if tok is None or not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
                           "template to render them; give the prompt as text, or a model with a template")
+    if any(isinstance(m["content"], list) for m in prompt) and not _reads_parts(tok.chat_template):
+        prompt = [{**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m["content"], list)
+                  else m for m in prompt]  # as vLLM's chat API joins them for such a template
     prefill = prompt[-1]["role"] == "assistant"  # "<think>": continued, as trl.apply_chat_template does
     try:
         return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
@@ -264,18 +265,20 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
                           "user message)") from e
 
 
-def _joined(m):
-    """A message whose content is OpenAI's list of text parts, [{"type": "text", "text": ...}], with its parts
-    joined by newlines, as vLLM's chat API renders them for a text model; any other message as it is."""
-    parts = m.get("content") if isinstance(m, dict) else None
-    if isinstance(parts, list) and parts and all(isinstance(p, dict) and p.get("type") == "text"
-                                                 and isinstance(p.get("text"), str) for p in parts):
-        return {**m, "content": "\n".join(p["text"] for p in parts)}
-    return m
+def _reads_parts(template: str) -> bool:
+    """Whether a chat template reads OpenAI's content parts, [{"type": "text", "text": ...}], itself (Gemma 3's loops
+    over them), as vLLM's chat API decides (vllm/renderers/hf.py, `_detect_content_format`); for one that does not,
+    vLLM joins a message's text parts by newlines (vllm/renderers/chat_utils.py). Imports vLLM: parts only."""
+    from vllm.renderers.hf import _detect_content_format
+    return _detect_content_format(template, default="string") == "openai"
 
 
 def _is_message(m) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+    """A chat message: a role, and content that is text or OpenAI's text parts."""
+    content = m.get("content") if isinstance(m, dict) else None
+    parts = isinstance(content, list) and content and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(content, str) or bool(parts))
 
 
 def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool, text: bool):

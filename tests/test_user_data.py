@@ -328,13 +328,20 @@ def test_a_list_or_object_answer_reaches_verls_and_trls_functions_as_it_is(tmp_p
         make_task(TaskConfig(name="jsonl", path=str(bare), eval_prompts=0, reward=[f"{tmp_path}/sr1.py:compute_score"]), 0)
 
 
-def test_a_message_of_openais_text_parts_renders_as_its_text_joined_by_newlines(chat_model, tmp_path):
-    """OpenAI's content parts, [{"type": "text", "text": ...}], as vLLM's chat API takes them for a text model (the
-    parts joined by newlines): they were refused as "its role and content must be text"."""
+def test_a_message_of_openais_text_parts_renders_as_vllms_chat_api_renders_it(chat_model, tmp_path):
+    """OpenAI's content parts, [{"type": "text", "text": ...}], were refused as "its role and content must be
+    text". vLLM's chat API joins a message's parts by newlines for a template that prints the content (this one;
+    Qwen3's would drop a list), and hands them to a template that loops over them (Gemma 3's) as they are."""
     rows = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": p.prompt[:3]},
                                                      {"type": "text", "text": p.prompt[3:-1]}]}], "answer": p.answer}
             for p in problems(5)]
-    task = make_task(TaskConfig(name="jsonl", path=str(write_jsonl(tmp_path / "parts.jsonl", rows)), eval_prompts=0),
-                     0, load_tokenizer(str(chat_model)), 32)
+    data = str(write_jsonl(tmp_path / "parts.jsonl", rows))
+    tok = load_tokenizer(str(chat_model))
+    task = make_task(TaskConfig(name="jsonl", path=data, eval_prompts=0), 0, tok, 32)
     assert sorted(p.prompt for p in task.rows) == sorted(q.prompt[:3] + "\n" + q.prompt[3:] for q in problems(5))
     assert task.rows[0].row["prompt"][0]["content"][0]["type"] == "text"  # the row, as TRL's functions get it
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                         "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    task = make_task(TaskConfig(name="jsonl", path=data, eval_prompts=0), 0, tok, 32)
+    assert sorted(p.prompt for p in task.rows) == sorted(q.prompt for q in problems(5))
