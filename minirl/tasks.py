@@ -252,7 +252,7 @@ def _prompt_text(row: dict, key: str, tok, template_kwargs: dict, where: str) ->
     if tok is None or not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the prompt is chat messages, but the tokenizer of --model.path has no chat "
                           "template to render them; give the prompt as text, or a model with a template")
-    if any(isinstance(m["content"], list) for m in prompt) and not _reads_parts(tok.chat_template):
+    if any(isinstance(m["content"], list) for m in prompt) and not _reads_parts(tok.get_chat_template()):
         prompt = [{**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m["content"], list)
                   else m for m in prompt]  # as vLLM's chat API joins them for such a template
     prefill = prompt[-1]["role"] == "assistant"  # "<think>": continued, as trl.apply_chat_template does

@@ -340,8 +340,9 @@ def test_a_message_of_openais_text_parts_renders_as_vllms_chat_api_renders_it(ch
     task = make_task(TaskConfig(name="jsonl", path=data, eval_prompts=0), 0, tok, 32)
     assert sorted(p.prompt for p in task.rows) == sorted(q.prompt[:3] + "\n" + q.prompt[3:] for q in problems(5))
     assert task.rows[0].row["prompt"][0]["content"][0]["type"] == "text"  # the row, as TRL's functions get it
-    tok.chat_template = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-                         "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}={% endif %}")
+    tok.chat_template = {"default": "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+                                    "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}"
+                                    "{% endfor %}{% if add_generation_prompt %}={% endif %}",
+                         "tool_use": TEMPLATE}  # named templates, as Hermes' tokenizers keep them: the default is used
     task = make_task(TaskConfig(name="jsonl", path=data, eval_prompts=0), 0, tok, 32)
     assert sorted(p.prompt for p in task.rows) == sorted(q.prompt for q in problems(5))
