@@ -106,13 +106,13 @@ class JsonlTask:
                  answer_key: str = "", needs_answer: bool = True, template_kwargs: dict | None = None,
                  prompt_key: str = "prompt", filter_overlong: bool = False, text_answer: bool = True):
         keys = (answer_key,) if answer_key else self.ANSWER_KEYS
-        self.text_answer = text_answer
         self.tok, self.template_kwargs = tok, template_kwargs or {}  # the chat template's variables
         self.prompt_key, self.seed, self._orders, self.filter_overlong = prompt_key, seed, {}, filter_overlong
-        rows = self._read(path, "--task.path", limit, keys, needs_answer)
+        rows = self._read(path, "--task.path", limit, keys, needs_answer, text_answer)
         random.Random(seed).shuffle(rows)
         if eval_path:  # a separate held-out file (e.g. GSM8K test): its first eval_prompts rows
-            self.eval_set = self._read(eval_path, "--task.eval-path", limit, keys, needs_answer)[:eval_prompts]
+            self.eval_set = self._read(eval_path, "--task.eval-path", limit, keys, needs_answer,
+                                       text_answer)[:eval_prompts]
             self.rows = rows
         else:
             k = min(eval_prompts, len(rows) // 5)
@@ -128,7 +128,7 @@ class JsonlTask:
         if not self.rows:
             raise ConfigError(f"--task.path={path!r}: no training prompts")
 
-    def _read(self, path: str, flag: str, limit: int, keys: tuple[str, ...], needed: bool) -> list[Problem]:
+    def _read(self, path: str, flag: str, limit: int, keys: tuple[str, ...], needed: bool, text: bool) -> list[Problem]:
         rows = []
         for file in data_files(path):  # a pattern's files, in name order
             for where, r in _records(file, flag):
@@ -136,7 +136,7 @@ class JsonlTask:
                     raise ConfigError(f"{where}: expected an object {{\"prompt\": ..., \"answer\": ...}}, got a "
                                       f"{type(r).__name__}")
                 prompt = _prompt_text(r, self.prompt_key, self.tok, self.template_kwargs, where)
-                rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed, self.text_answer)), r))
+                rows.append(Problem(prompt, self._reference(_answer(r, keys, where, needed, text)), r))
         lengths = []
         for i in range(0, len(rows) if self.tok is not None and limit else 0, 1024):
             # 1,024 prompts a tokenizer call: one call a row spent 0.3 ms in transformers, most of a big file's load
@@ -275,10 +275,11 @@ def _reads_parts(template: str) -> bool:
 
 def _is_message(m) -> bool:
     """A chat message: a role, and content that is text or OpenAI's text parts."""
-    content = m.get("content") if isinstance(m, dict) else None
-    parts = isinstance(content, list) and content and all(
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    content = m.get("content")
+    return isinstance(content, str) or isinstance(content, list) and bool(content) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(content, str) or bool(parts))
 
 
 def _answer(row: dict, keys: tuple[str, ...], where: str, needed: bool, text: bool):
