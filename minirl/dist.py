@@ -314,7 +314,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def broadcast(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+def broadcast(t: torch.Tensor, src: int) -> torch.Tensor:
     """In-place broadcast from `src` over the default group."""
     if dist.is_initialized():
         _check_served(t)
