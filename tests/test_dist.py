@@ -321,6 +321,44 @@ def test_nvml_probe_answers_none_on_a_machine_without_the_driver():
     assert dist._nvml() is None or torch.cuda.is_available()  # this CPU machine: no libnvidia-ml
 
 
+class _FakeNVML:
+    """libnvidia-ml as ctypes calls it: NVML's return codes (0: success), and what it writes through pointers."""
+
+    def __init__(self, init=0, count=2, driver=b"550.54.15"):
+        self.init, self.count, self.driver, self.shut = init, count, driver, False
+
+    def nvmlInit_v2(self):
+        return self.init
+
+    def nvmlDeviceGetCount_v2(self, ref):
+        ref._obj.value = self.count
+        return 0
+
+    def nvmlSystemGetDriverVersion(self, buf, size):
+        assert size == len(buf)  # never more than the buffer holds
+        buf.value = self.driver
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+
+@pytest.mark.parametrize("lib, found", [(None, None), ({}, (2, "550.54.15")), ({"init": 9}, None),
+                                        ({"count": 0}, None), ({"driver": b""}, (2, "?"))])
+def test_the_nvml_probe_reads_the_gpus_and_the_driver_and_answers_none_where_it_finds_none(monkeypatch, lib, found):
+    import ctypes
+    fake = None if lib is None else _FakeNVML(**lib)
+
+    def cdll(name):
+        if fake is None:
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+        return fake
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    assert dist._nvml() == found
+    assert fake is None or fake.shut == (fake.init == 0)  # a library it started is shut down, whatever it found
+
+
 def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does(world):
     """The first asks for a save at the step's end; a second must not wait for a step that may never end
     (a reward function that never returns): schedulers send SIGTERM, then SIGKILL."""
