@@ -52,7 +52,8 @@ TESTS = {  # module -> the unit tests that guard it
     "models": ["tests/test_models.py", "tests/test_packing.py", "tests/test_tasks.py"],  # build_tiny's: test_tasks
     "checkpoint": ["tests/test_checkpoint.py"],
     "offload": ["tests/test_offload.py"],
-    "dist": ["tests/test_dist.py"],
+    "dist": ["tests/test_dist.py",  # and the reshard after a no-grad forward, which test_models checks
+             "tests/test_models.py::test_no_root_parameter_stays_gathered_after_a_forward_without_autograd"],
     "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
     "launch": ["tests/test_launch.py", "tests/test_rundir.py", "tests/test_models.py"],  # the model folder's checks
     "grpo": ["tests/test_grpo_update.py", "tests/test_offload.py"],  # the update; the loop around a scripted engine

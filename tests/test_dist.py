@@ -240,26 +240,6 @@ def test_sharded_models_keep_float32_masters_and_compute_in_bf16(tiny_path, worl
         assert {local(v).dtype for s in opt.state.values() for v in s.values() if v.numel() > 1} == {torch.float32}
 
 
-def test_a_no_grad_forward_leaves_every_parameter_sharded_and_a_training_one_keeps_the_roots_for_backward(
-        tiny_path, world):
-    """FSDP2 keeps the root's parameters gathered after a forward, for the backward; a no-grad forward (the
-    reference's logprobs, the critic's values) has no backward to free them, so they are resharded at once."""
-    from torch.distributed.tensor import DTensor
-
-    from minirl import models
-    ids = torch.randint(3, 40, (2, 9))
-    for kind in ("policy", "value"):
-        m = models.sharded(tiny_path, kind, world, "float32")
-        forward = (lambda: models.token_logprobs(m, ids)) if kind == "policy" else (lambda: m(ids))
-        with torch.no_grad():
-            forward()
-        assert all(isinstance(p, DTensor) for p in m.parameters()), kind
-        out = forward()
-        assert not all(isinstance(p, DTensor) for p in m.parameters()), kind  # the root's, gathered for backward
-        out.sum().backward()
-        assert all(isinstance(p, DTensor) for p in m.parameters()), kind
-
-
 def test_full_parameters_in_a_world_of_one_are_private_copies_of_the_checkpoints_tensors(tiny_path, world):
     """A mesh of one skips the gather: every name and value the engine is sent equals the checkpoint's,
     in plain tensors that a receiver may write into without touching the trainer's masters."""
