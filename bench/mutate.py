@@ -66,7 +66,9 @@ TESTS = {  # module -> the unit tests that guard it
                 "tests/test_models.py::test_the_weights_a_trainer_sends_and_exports_are_its_checkpoint_files_own",
                 "tests/test_models.py::test_every_familys_weights_are_sent_as_save_pretrained_writes_them",
                 "tests/test_launch.py::test_a_model_the_cpu_engine_cannot_train_is_refused_before_anything_is_built_"
-                "naming_its_flag"],  # as_checkpoint and check_reloads
+                "naming_its_flag",  # as_checkpoint and check_reloads; check_trainable:
+                "tests/test_launch.py::test_a_quantized_model_is_refused_for_training_by_both_commands_and_their_dry_"
+                "runs_on_any_device"],
     "tools/plot": ["tests/test_plot.py"],
     "tools/export": [f"tests/test_launch.py::test_{name}" for name in (  # its fast tests (the rest run a loop first)
         "export_overwrites_only_a_folder_an_export_wrote", "an_export_inside_the_checkpoint_folder_is_refused",

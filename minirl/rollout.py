@@ -10,7 +10,8 @@ the same in the CPU and CUDA wheels; the one private call is `close()`).
 - `Engine.load_weights(named_tensors)`: trainer weights into the running engine in place
   (`LLM.collective_rpc("reload_weights")`), named and laid out as the model's checkpoint files hold them
   (`as_checkpoint`: transformers 5 fuses some families' weights at load; vLLM reads the files' form).
-- `check_model`, `check_reloads`: what this engine cannot run or reload here, refused before anything is built.
+- `check_model`, `check_reloads`, `check_trainable`: what this engine cannot run or reload here, and a model
+  that cannot be trained (a quantized one), refused before anything is built.
 - `Engine.sleep(level)` / `wake_up(tags)`: vLLM sleep mode on CUDA; on CPU, which refuses it, the same
   state machine without freeing anything: "awake" -> "asleep" -> "weights" -> "awake". After a level-2
   sleep, generation is refused until one load_weights has rewritten every parameter.
@@ -73,6 +74,8 @@ def check_reloads(path: str, device_type: str | None = None) -> None:
     (vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py, `_setup_kernel`: only when
     `not is_weight_update`); a reload copies unpacked weights over the packed ones (a Mixtral resent its own
     weights sampled 0.04 nats off) or fails on the padded shape. On CUDA a reload copies into the kernel's tensors."""
+    with open(os.path.join(path, "config.json")) as f:
+        check_trainable(json.load(f))
     if (device_type or dist.device_type()) != "cpu":
         return
     name = next((name for name, _ in meta_model(path).named_parameters() if ".experts." in name), "")
@@ -80,6 +83,18 @@ def check_reloads(path: str, device_type: str | None = None) -> None:
         raise ConfigError(f"--model.path is a mixture-of-experts model ({name}): vLLM's CPU engine cannot reload "
                           "expert weights in place (it packs them for its kernel once, at load), so it would not "
                           "sample the trained policy; train it on CUDA GPUs (minirl-eval scores it on a CPU)")
+
+
+def check_trainable(hf: dict) -> None:
+    """A quantized checkpoint (its config.json's `quantization_config`) serves, and is not trained: the trainer's
+    masters would be its quantizer's packed tensors (bitsandbytes' and AWQ's load asks for their kernels), and the
+    engine's quantized layers take no trained weights back (minirl-eval scores one)."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "") if isinstance(quant, dict) else ""
+        raise ConfigError(f"--model.path is a quantized model ({method or 'quantization_config'}): minirl trains a "
+                          "model's own weights (float32 masters, no adapters) and sends them to the engine whole; "
+                          "give the model it was quantized from, or a BF16 copy of it (minirl-eval scores this one)")
 
 
 def meta_model(path: str) -> torch.nn.Module:

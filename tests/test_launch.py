@@ -365,8 +365,10 @@ def test_each_flags_help_is_one_paragraph_wrapped_to_the_terminal(loop, capsys, 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
         launch.parse(cls, ["--help"], inspect.cleandoc(cls.__doc__))
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {os.path.basename(sys.argv[0])} [-h]")  # not run as python -m minirl.*: argv[0]
     entries = [[]]  # one per flag: the lines of its help, indented under its name
-    for line in capsys.readouterr().out.splitlines():
+    for line in out.splitlines():
         if re.match(r"[│ ] {7}\S", line):  # the panel's edge is a space when the output is no terminal
             entries[-1].append(line.strip("│ "))
         else:  # a flag's name, a panel's edge
@@ -802,6 +804,31 @@ def test_a_model_the_cpu_engine_cannot_train_is_refused_before_anything_is_built
         launch.preflight(GRPOArgs, ["--model.path", str(wide), "--log.run-dir", str(tmp_path / "run")], None)
     with pytest.raises(ConfigError, match=r"^--model.tiny.num-heads: head_dim 16 "):
         launch.preflight(GRPOArgs, ["--model.tiny.num-heads", "8", "--log.run-dir", str(tmp_path / "run")], None)
+
+
+def test_a_quantized_model_is_refused_for_training_by_both_commands_and_their_dry_runs_on_any_device(
+        tmp_path, tiny_path, monkeypatch):
+    """A quantized checkpoint serves and is not trained: the policy's load asked for its quantizer's kernels
+    ("pip install gptqmodel" for AWQ, bitsandbytes for 4-bit) after the world was up, and with them installed the
+    trainer would train its packed tensors. Both commands and their dry runs refuse it in one line before the
+    tokenizer or the run directory, on a CPU and on CUDA; minirl-eval still scores one (test_models.py)."""
+    import shutil
+    from minirl import models, rollout
+    from minirl.config_ppo import PPOArgs
+    d = tmp_path / "awq"
+    shutil.copytree(tiny_path, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    monkeypatch.setattr(models, "load_tokenizer", lambda path: pytest.fail("the tokenizer was loaded"))
+    ppo = ["--grid.gpu-placement", "colocated", "--async-rl.min-groups-for-streaming-train", "16"]
+    for cls, sizes in ((GRPOArgs, []), (PPOArgs, ppo)):
+        for dry in ([], ["--dry-run"], ["--dry-run", "--dry-run-device", "cuda"]):
+            with pytest.raises(ConfigError, match=r"^--model.path is a quantized model \(awq\): minirl trains"):
+                launch.preflight(cls, [*sizes, *dry, "--model.path", str(d), "--log.run-dir", str(tmp_path / "run")],
+                                 None)
+    with pytest.raises(ConfigError, match="quantized model"):
+        rollout.check_reloads(str(d), "cuda")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_a_dry_run_prints_the_plan_builds_nothing_and_rehearses_only_when_asked(tmp_path, monkeypatch, capsys):

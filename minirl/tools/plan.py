@@ -30,7 +30,7 @@ from minirl import dist, models, rewards
 from minirl.config import TINY, ConfigError, hub_name
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
-from minirl.rollout import check_model, with_sizes
+from minirl.rollout import check_model, check_trainable, with_sizes
 
 GIB = 2**30
 BASELINE_GIB = 1.0  # CUDA context, NCCL communicators, allocator slack
@@ -46,6 +46,7 @@ def dry_run(args: GRPOArgs | PPOArgs) -> list[str]:
     hf, source = model_config(args.model)
     if hf is not None:
         check_model(source, args.rollout, args.rollout.max_model_len, device_type=device_type, hf=hf)
+        check_trainable(hf)
     lines = plan(args, world, device_type, hf, source)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(lines), flush=True)
