@@ -12,6 +12,11 @@ there, fast ones only (`-m "not slow and not vllm and not dist"`; `rollout`'s ow
 stopping at the first failure. A mutant is killed when a test fails or runs past the time limit; it
 survives when they all pass. The survivors are printed as `module.py:line: original -> mutant`, and
 listed with a reason each in docs/invariants.md ("Mutation testing").
+
+    .venv/bin/python bench/mutate.py dist --several-ranks  # the survivors again, against the torchrun tests
+
+A survivor that only several ranks can tell apart (a collective's op, a rank's share) is listed as such only
+after `--several-ranks` has run it against the fast torchrun tests (`MULTI_RANK`, about 40 s a mutant).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ TESTS = {  # module -> the unit tests that guard it
         "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")]
     + ["tests/test_config.py::test_every_default_is_the_recorded_one"],
 }
+MULTI_RANK = ["tests/test_dist.py", "tests/test_stream.py"]  # their `-m "dist and not slow"` tests: 2 and 3 ranks
 WITH_ENGINE = {"rollout"}  # modules whose own tests run the real engine (marked `vllm`): those run too
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
@@ -134,10 +140,11 @@ def mutate(tree: ast.AST, index: int, how: str) -> tuple[ast.AST, int, str]:
     return tree, line, f"{before} -> {ast.unparse(node)}"
 
 
-def run_tests(workdir: str, tests: list[str], timeout: float, engine: bool = False) -> tuple[bool, float]:
+def run_tests(workdir: str, tests: list[str], timeout: float, engine: bool = False,
+              marks: str = "") -> tuple[bool, float]:
     """(passed, seconds) for `tests` in `workdir`; `engine`: the tests that start the engine too."""
     t0 = time.perf_counter()
-    marks = "not slow and not dist" if engine else "not slow and not vllm and not dist"
+    marks = marks or ("not slow and not dist" if engine else "not slow and not vllm and not dist")
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m",
                             marks, *tests], cwd=workdir, capture_output=True,
@@ -159,6 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("modules", nargs="*", default=list(TESTS), help=f"of {', '.join(TESTS)}")
     ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once (one repository copy each)")
+    ap.add_argument("--several-ranks", action="store_true", help="run the survivors against the torchrun tests too")
     a = ap.parse_args()
     workers = [copy_repo() for _ in range(a.jobs)]
     free = list(workers)
@@ -172,6 +180,10 @@ def main() -> None:
             ok, base = run_tests(workers[0], TESTS[module], 600, engine)
             if not ok:
                 sys.exit(f"{path}: its tests fail unmutated; fix them first")
+            if a.several_ranks:
+                ok, base_ranks = run_tests(workers[0], MULTI_RANK, 600, marks="dist and not slow")
+                if not ok:
+                    sys.exit(f"{path}: the torchrun tests fail unmutated; fix them first")
             mutants = [mutate(tree, i, how) for i, how in sites(tree)]
             print(f"{path}: {len(mutants)} mutants; its tests take {base:.1f} s", flush=True)
 
@@ -180,7 +192,10 @@ def main() -> None:
                 try:
                     with open(os.path.join(workdir, path), "w") as f:
                         f.write(ast.unparse(m[0]))
-                    return m, run_tests(workdir, TESTS[module], 3 * base + 10, engine)[0]
+                    passed = run_tests(workdir, TESTS[module], 3 * base + 10, engine)[0]
+                    if passed and a.several_ranks:  # a mutant only several ranks tell apart is killed here
+                        passed = run_tests(workdir, MULTI_RANK, 3 * base_ranks + 10, marks="dist and not slow")[0]
+                    return m, passed
                 finally:
                     with open(os.path.join(workdir, path), "w") as f:
                         f.write(source)

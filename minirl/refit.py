@@ -49,10 +49,6 @@ class Roles:
     def trains(self) -> bool:
         return not self.generates
 
-    @property
-    def train_ranks(self) -> list[int]:
-        return list(range(self.rollout_ranks, self.global_world))
-
 
 def init_disaggregated(rollout_ranks: int) -> tuple[Roles, dist.World | None, tdist.Store]:
     """Join the run's store; train ranks form their default process group on it (under the prefix
