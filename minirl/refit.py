@@ -159,7 +159,7 @@ class PointGroup:
     rank: int
     size: int
 
-    def broadcast(self, t: torch.Tensor, src: int = 0):
+    def broadcast(self, t: torch.Tensor, src: int):
         """Start a broadcast of `t` from member `src`; returns its work (`.wait()` before using `t`)."""
         if t.device.type != self.device.type:
             raise RuntimeError(f"refit group: a {t.device.type} tensor on a group of {self.device.type} members")

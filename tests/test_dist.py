@@ -518,7 +518,7 @@ def test_the_refit_group_on_the_host_is_gloo_and_its_broadcast_reaches_every_mem
         group.broadcast(bucket, src=0).wait()
         got[rank] = type(group.backend).__name__, bucket.tolist()
         with pytest.raises(RuntimeError, match="refit group: a meta tensor on a group of cpu members"):
-            group.broadcast(torch.zeros(1, device="meta"))
+            group.broadcast(torch.zeros(1, device="meta"), src=0)
 
     members = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
     for m in members:
