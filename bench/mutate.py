@@ -59,7 +59,8 @@ TESTS = {  # module -> the unit tests that guard it
     "offload": ["tests/test_offload.py"],
     "dist": ["tests/test_dist.py",  # and the reshard after a no-grad forward, which test_models checks
              "tests/test_models.py::test_no_root_parameter_stays_gathered_after_a_forward_without_autograd"],
-    "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py"],
+    "run": ["tests/test_run.py", "tests/test_ppo.py", "tests/test_checkpoint.py",  # and the export's model card
+            "tests/test_launch.py::test_a_model_card_names_a_hub_base_model_in_its_metadata_and_a_folder_by_its_name"],
     "launch": ["tests/test_launch.py", "tests/test_rundir.py", "tests/test_models.py"],  # the model folder's checks
     "grpo": ["tests/test_grpo_update.py", "tests/test_offload.py"],  # the update; the loop around a scripted engine
     "ppo": ["tests/test_ppo.py"],

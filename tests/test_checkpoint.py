@@ -212,6 +212,7 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_one(rich_straig
         assert p.returncode == -signal.SIGKILL
     p = run(rich(tmp_path, "--checkpoint.resume", "auto"), env={"MINIRL_FAULT": SKIP})
     assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-2000:]
+    assert "every step is done" not in p.stdout  # said only of a resume with no step left (test_ppo.py)
     straight = everything(rich_straight)
     assert [r.get("skipped_nonfinite", 0) for r in straight["metrics"] if "reward_mean" in r] == [0, 0, 0, 4, 0, 0]
     assert straight["loop_state"]["probe_done"] and straight["checkpoint"] == "step_00000006"

@@ -231,6 +231,8 @@ def test_eval_and_export_of_a_finished_run(finished, tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()  # the model card the README promises
     assert "step_00000002 (exported)" in card and "| steps | 2 |" in card
     assert card.startswith("---\n") and str(tmp_path) not in card  # a hub metadata header, no absolute path
+    final = (finished / "final" / "README.md").read_text()  # the run's own card names its loop and task
+    assert "| algorithm | GRPO |" in final and "| task | count |" in final and "| steps | 2 |" in final
     config = json.loads((finished / "config.json").read_text())
     assert json.loads((finished / "final" / "minirl_config.json").read_text()) == config
     assert json.loads((tmp_path / "out" / "minirl_config.json").read_text()) == config
