@@ -90,7 +90,8 @@ TESTS = {  # module -> the unit tests that guard it
         "a_config_key_is_refused_or_skipped_by_what_it_is_and_which_command_reads_it")]
     + ["tests/test_config.py::test_every_default_is_the_recorded_one"],
 }
-MULTI_RANK = ["tests/test_dist.py", "tests/test_stream.py"]  # their `-m "dist and not slow"` tests: 2 and 3 ranks
+MULTI_RANK = ["tests/test_dist.py", "tests/test_stream.py"]  # their `RANKS` tests: 2 and 3 ranks
+RANKS = "dist and not slow"
 WITH_ENGINE = {"rollout"}  # modules whose own tests run the real engine (marked `vllm`): those run too
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
@@ -141,11 +142,9 @@ def mutate(tree: ast.AST, index: int, how: str) -> tuple[ast.AST, int, str]:
     return tree, line, f"{before} -> {ast.unparse(node)}"
 
 
-def run_tests(workdir: str, tests: list[str], timeout: float, engine: bool = False,
-              marks: str = "") -> tuple[bool, float]:
-    """(passed, seconds) for `tests` in `workdir`; `engine`: the tests that start the engine too."""
+def run_tests(workdir: str, tests: list[str], timeout: float, marks: str) -> tuple[bool, float]:
+    """(passed, seconds) for `tests` of pytest's `marks` in `workdir`."""
     t0 = time.perf_counter()
-    marks = marks or ("not slow and not dist" if engine else "not slow and not vllm and not dist")
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m",
                             marks, *tests], cwd=workdir, capture_output=True,
@@ -173,18 +172,18 @@ def main() -> None:
     free = list(workers)
     survivors, total = [], 0
     try:
+        if a.several_ranks:
+            ok, base_ranks = run_tests(workers[0], MULTI_RANK, 600, RANKS)
+            if not ok:
+                sys.exit("the torchrun tests fail unmutated; fix them first")
         for module in a.modules:
             path = f"minirl/{module}.py"
             source = open(os.path.join(ROOT, path)).read()
             tree = ast.parse(source)
-            engine = module in WITH_ENGINE
-            ok, base = run_tests(workers[0], TESTS[module], 600, engine)
+            marks = "not slow and not dist" if module in WITH_ENGINE else "not slow and not vllm and not dist"
+            ok, base = run_tests(workers[0], TESTS[module], 600, marks)
             if not ok:
                 sys.exit(f"{path}: its tests fail unmutated; fix them first")
-            if a.several_ranks:
-                ok, base_ranks = run_tests(workers[0], MULTI_RANK, 600, marks="dist and not slow")
-                if not ok:
-                    sys.exit(f"{path}: the torchrun tests fail unmutated; fix them first")
             mutants = [mutate(tree, i, how) for i, how in sites(tree)]
             print(f"{path}: {len(mutants)} mutants; its tests take {base:.1f} s", flush=True)
 
@@ -193,9 +192,9 @@ def main() -> None:
                 try:
                     with open(os.path.join(workdir, path), "w") as f:
                         f.write(ast.unparse(m[0]))
-                    passed = run_tests(workdir, TESTS[module], 3 * base + 10, engine)[0]
+                    passed = run_tests(workdir, TESTS[module], 3 * base + 10, marks)[0]
                     if passed and a.several_ranks:  # a mutant only several ranks tell apart is killed here
-                        passed = run_tests(workdir, MULTI_RANK, 3 * base_ranks + 10, marks="dist and not slow")[0]
+                        passed = run_tests(workdir, MULTI_RANK, 3 * base_ranks + 10, RANKS)[0]
                     return m, passed
                 finally:
                     with open(os.path.join(workdir, path), "w") as f:
