@@ -1,8 +1,9 @@
 """docs/invariants.md names only code and tests that exist: every `module.name` (a minirl module, flat or
 under tools/, and an attribute path in it) and every `test_file.py::test_name` it cites, so a rule's row
-cannot point at code a change moved or a test a change renamed."""
+cannot point at code a change moved or a test a change renamed; and every test the README and docs/ cite exists."""
 
 import ast
+import glob
 import importlib
 import os
 import re
@@ -55,12 +56,17 @@ def _tests_in(path: str) -> set[str]:
 
 
 def test_every_cited_test_exists():
-    text = open(DOC).read()
-    missing, cited = [], re.findall(r"(test_\w+\.py)::(test_\w+)(\*?)", text)
-    for file, name, star in cited:
-        path = os.path.join(ROOT, "tests", file)
-        names = _tests_in(path) if os.path.isfile(path) else set()
-        if not (name in names or star and any(n.startswith(name) for n in names)):
-            missing.append(f"{file}::{name}")
+    """In the rules' table and in every other doc a user reads (the README, docs/*.md): `file.py::test_name`,
+    or `file.py (a note)::test_name`."""
+    docs = [DOC, os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    missing, counts = [], {}
+    for doc in dict.fromkeys(docs):
+        cited = re.findall(r"(test_\w+\.py)(?: \([^)]*\))?::(test_\w+)(\*?)", open(doc).read())
+        counts[os.path.basename(doc)] = len(cited)
+        for file, name, star in cited:
+            path = os.path.join(ROOT, "tests", file)
+            names = _tests_in(path) if os.path.isfile(path) else set()
+            if not (name in names or star and any(n.startswith(name) for n in names)):
+                missing.append(f"{os.path.basename(doc)}: {file}::{name}")
     assert not missing, missing
-    assert len(cited) > 80
+    assert counts["invariants.md"] > 80 and counts["reliability.md"] > 80, counts
