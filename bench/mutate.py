@@ -16,7 +16,10 @@ listed with a reason each in docs/invariants.md ("Mutation testing").
     .venv/bin/python bench/mutate.py dist --several-ranks  # the survivors again, against the torchrun tests
 
 A survivor that only several ranks can tell apart (a collective's op, a rank's share) is listed as such only
-after `--several-ranks` has run it against the fast torchrun tests (`MULTI_RANK`, about 40 s a mutant).
+after `--several-ranks` has run it against the fast torchrun tests (`MULTI_RANK`, about 40 s a mutant). Those
+tests reach the world, the PPO step and the refit; placement's ranks meet only in the slow end-to-end launches,
+so for `placement` the flag mostly costs time (a run stopped after 25 minutes on 2026-12-07 had 34 survivors
+past it, each of a kind docs/invariants.md lists).
 """
 
 from __future__ import annotations
