@@ -1,6 +1,7 @@
 """docs/invariants.md names only code and tests that exist: every `module.name` (a minirl module, flat or
 under tools/, and an attribute path in it) and every `test_file.py::test_name` it cites, so a rule's row
-cannot point at code a change moved or a test a change renamed; and every test the README and docs/ cite exists."""
+cannot point at code a change moved or a test a change renamed; and every test, dotted flag and repository file
+that the README and docs/ name exists."""
 
 import ast
 import glob
@@ -55,12 +56,14 @@ def _tests_in(path: str) -> set[str]:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
+READ = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]  # invariants.md too
+
+
 def test_every_cited_test_exists():
     """In the rules' table and in every other doc a user reads (the README, docs/*.md): `file.py::test_name`,
     or `file.py (a note)::test_name`."""
-    docs = [DOC, os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
     missing, counts = [], {}
-    for doc in dict.fromkeys(docs):
+    for doc in READ:
         cited = re.findall(r"(test_\w+\.py)(?: \([^)]*\))?::(test_\w+)(\*?)", open(doc).read())
         counts[os.path.basename(doc)] = len(cited)
         for file, name, star in cited:
@@ -70,3 +73,27 @@ def test_every_cited_test_exists():
                 missing.append(f"{os.path.basename(doc)}: {file}::{name}")
     assert not missing, missing
     assert counts["invariants.md"] > 80 and counts["reliability.md"] > 80, counts
+
+
+def test_every_flag_and_file_the_docs_name_exists():
+    """A dotted flag in the docs' prose (`--group.name`, or tyro's `--group.no-name` for a switch) is one of the
+    commands', and a path under the repository's folders names a file there, so a rename cannot live on in them
+    (the launches the docs show are run by test_recipes.py)."""
+    from minirl.config_grpo import GRPOArgs
+    from minirl.config_ppo import PPOArgs
+    from minirl.flags import _flags
+    known = {f"--{name}" for cls in (GRPOArgs, PPOArgs) for name in _flags(cls)}
+    missing, flags, paths = [], set(), set()
+    for doc in READ:
+        text = open(doc).read()
+        for flag in set(re.findall(r"--[a-z][a-z0-9-]*\.[a-z0-9.-]*[a-z0-9]", text)):
+            group, _, name = flag.rpartition(".")
+            flags.add(flag)
+            if flag not in known and f"{group}.{name.removeprefix('no-')}" not in known:
+                missing.append(f"{os.path.basename(doc)}: {flag}")
+        for path in set(re.findall(r"(?:minirl|recipes|bench|tests|docs)/[\w/-]+\.(?:py|sh|md|yaml|json|png|cpp)", text)):
+            paths.add(path)
+            if not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(f"{os.path.basename(doc)}: {path}")
+    assert not missing, missing
+    assert len(flags) > 80 and len(paths) > 50, (len(flags), len(paths))
