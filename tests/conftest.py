@@ -1,6 +1,7 @@
 """Shared fixtures. The tiny model is built once per machine into .cache/ (MINIRL_CACHE), which
 subprocesses (torchrun tests) inherit; one vLLM engine is shared per test module."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]  # what a user reads
 os.environ.setdefault("MINIRL_CACHE", os.path.join(ROOT, ".cache", "minirl"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM compiles one small sampler op with inductor (`batched_count_greater_than`: the sampled token's rank)

@@ -4,12 +4,11 @@ cannot point at code a change moved or a test a change renamed; and every test, 
 that the README and docs/ name exists."""
 
 import ast
-import glob
 import importlib
 import os
 import re
 
-from conftest import ROOT
+from conftest import DOCS, ROOT
 
 DOC = os.path.join(ROOT, "docs", "invariants.md")
 MODULES = {name[:-3] for name in os.listdir(os.path.join(ROOT, "minirl")) if name.endswith(".py")} | {
@@ -56,14 +55,11 @@ def _tests_in(path: str) -> set[str]:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-READ = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]  # invariants.md too
-
-
 def test_every_cited_test_exists():
     """In the rules' table and in every other doc a user reads (the README, docs/*.md): `file.py::test_name`,
     or `file.py (a note)::test_name`."""
     missing, counts = [], {}
-    for doc in READ:
+    for doc in DOCS:
         cited = re.findall(r"(test_\w+\.py)(?: \([^)]*\))?::(test_\w+)(\*?)", open(doc).read())
         counts[os.path.basename(doc)] = len(cited)
         for file, name, star in cited:
@@ -84,7 +80,7 @@ def test_every_flag_and_file_the_docs_name_exists():
     from minirl.flags import _flags
     known = {f"--{name}" for cls in (GRPOArgs, PPOArgs) for name in _flags(cls)}
     missing, flags, paths = [], set(), set()
-    for doc in READ:
+    for doc in DOCS:
         text = open(doc).read()
         for flag in set(re.findall(r"--[a-z][a-z0-9-]*\.[a-z0-9.-]*[a-z0-9]", text)):
             group, _, name = flag.rpartition(".")

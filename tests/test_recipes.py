@@ -16,12 +16,11 @@ import sys
 import pytest
 import tyro
 
-from conftest import ROOT, prepare_smollm2
+from conftest import DOCS, ROOT, prepare_smollm2
 from minirl.config_grpo import GRPOArgs
 from minirl.config_ppo import PPOArgs
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.sh")))
-DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 MODELS = os.path.join(ROOT, "tests", "data", "models")
 ARGS = {"minirl.grpo": GRPOArgs, "minirl.ppo": PPOArgs}
 SCRIPTS = {"minirl-grpo": "minirl.grpo", "minirl-ppo": "minirl.ppo"}
