@@ -298,7 +298,8 @@ _METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
     "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")}  # Python 3.13 pickles a path from pathlib._local
 
 
 class _SafeUnpickler(pickle.Unpickler):

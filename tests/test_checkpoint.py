@@ -672,6 +672,34 @@ def test_a_metadata_naming_any_torch_function_is_refused(tmp_path, world, tiny_p
         checkpoint.check(path, "ppo", 1)
 
 
+def test_a_checkpoint_written_under_python_3_13_is_read_whatever_python_reads_it(tmp_path, world, tiny_path,
+                                                                                  monkeypatch):
+    """Python 3.13 pickles the metadata's path as pathlib._local.PosixPath (3.12 and 3.14: pathlib.PosixPath): a
+    3.13 run's checkpoint is checked and resumed, its moved-on weights restored. Here 3.13's pickle is made as
+    3.13 makes it: PosixPath's module is pathlib._local, and pickle finds the class there."""
+    import pathlib
+    import pickle
+    import types
+    path, parts = saved(tmp_path, world, tiny_path)
+    meta = os.path.join(path, ".metadata")
+    metadata = checkpoint._read_metadata(path)
+    local = sys.modules.get("pathlib._local") or types.ModuleType("pathlib._local")
+    monkeypatch.setattr(local, "PosixPath", pathlib.PosixPath, raising=False)
+    monkeypatch.setitem(sys.modules, "pathlib._local", local)
+    monkeypatch.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)
+    assert b"pathlib._local" in open(meta, "rb").read()  # as 3.13 writes it
+    policy, _ = parts["policy"]
+    weights = [p.full_tensor().clone() for p in policy.parameters()]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    checkpoint.check(path, "ppo", 1)
+    checkpoint.load(path, parts)
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(weights, policy.parameters(), strict=True))
+
+
 def test_a_grpo_resume_of_a_state_without_its_loop_asks_whether_it_is_ppos(tmp_path, world, tiny_path):
     _, second = two_checkpoints(tmp_path, world, tiny_path, {})
     with pytest.raises(checkpoint.CheckpointError) as e:
