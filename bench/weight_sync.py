@@ -13,7 +13,7 @@ real vLLM engines and the trainer's FSDP2 policy, through minirl's own functions
   (`refit.send`: gloo here, NCCL on GPUs), every rollout rank loads them as they arrive
   (`refit.receive`); timed from the announcement to the last rollout rank's load;
 - store (the path before the refit group, kept to measure against): the same weights as
-  safetensors bytes through the TCPStore in 4 MiB parts (`placement.put` / `take`).
+  safetensors bytes through the TCPStore in 4 MiB parts (`refit.put` / `take`).
 The arms alternate per repeat; medians over the repeats; the first round is dropped (allocations).
 One line per launch begins `refit <size> MiB: colocated <s> s, disaggregated <s> s, ratio <d/c>`.
 """
