@@ -226,8 +226,7 @@ def test_prepare_smollm2s_checks_leave_setuptools_importable_in_the_process_that
     setuptools' distutils shim stand down for that process, and the import then failed on setuptools' own
     assertion (CI's one failure, in a fresh clone)."""
     import subprocess
-    check = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('p', sys.argv[1]); "
-             "p = importlib.util.module_from_spec(spec); spec.loader.exec_module(p); p.check_tools(); import setuptools")
-    run = subprocess.run([sys.executable, "-c", check, os.path.join(ROOT, "recipes", "prepare_smollm2.py")],
-                         capture_output=True, text=True)
+    check = "import prepare_smollm2; prepare_smollm2.check_tools(); import setuptools"
+    run = subprocess.run([sys.executable, "-c", check], cwd=os.path.join(ROOT, "recipes"), capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr
