@@ -2,9 +2,9 @@
 
 - `pack` turns this rank's samples into right-padded host tensors once per batch; `plan_chunks`
   decides each (mini, micro) index's rows: fixed-size micro-batches, or under a token budget (X1)
-  the fewest that fit, balanced by cost, the same count on every rank. The loop passes indices only
-  (B3): `RolloutStore.chunk(mini, micro)` returns the rows trimmed to their longest, moved to the
-  trainer's device by `to_device`, the one place a chunk moves.
+  longest rows first into the first that has room, the same count on every rank. The loop passes
+  indices only (B3): `RolloutStore.chunk(mini, micro)` returns the rows trimmed to their longest,
+  moved to the trainer's device by `to_device`, the one place a chunk moves.
 - The store counts its readers: each planned chunk once per epoch, plus once for the pi_old ahead
   pass, set from the same predicate that runs it (B18); a read past the count or a read left over
   at `close()` raises.
@@ -89,10 +89,11 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0, packed: bool = False) -> Plan:
     """Rows of each mini-batch (contiguous, equal) split into micro-batches.
 
-    max_tokens == 0: consecutive slices of `micro_rows` rows. max_tokens > 0: the fewest micro-batches
-    whose computed tokens (padded, or the packed lanes' when `packed`) fit the budget, balanced by cost,
-    the SAME count on every rank (a collective: FSDP needs equal calls). A row over the budget gets a
-    micro-batch of its own."""
+    max_tokens == 0: consecutive slices of `micro_rows` rows. max_tokens > 0: micro-batches whose computed
+    tokens (padded, or the packed lanes' when `packed`) fit the budget, longest rows first, each into the
+    first that has room (first fit decreasing: rows of like length together, so little is padding), the
+    SAME count on every rank (a collective: FSDP needs equal calls): a rank that needs fewer halves its
+    costliest. A row over the budget gets a micro-batch of its own."""
     per_mini = len(lengths) // n_mini
     plan = []
     for mini in range(n_mini):
@@ -101,14 +102,15 @@ def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: in
             plan.append([rows[i:i + micro_rows] for i in range(0, per_mini, micro_rows)])
             continue
         cost = _packed_cost if packed else _cost
-        n = _agree_max(_first_fit_count(rows, lengths, max_tokens, cost))
+        bins = _first_fit(rows, lengths, max_tokens, cost)
+        n = _agree_max(len(bins))
         while True:
-            bins = _balanced(rows, lengths, n, cost)
+            _split(bins, n, lengths, cost)
             ok = all(cost(b, lengths) <= max_tokens or len(b) == 1 for b in bins)
             if _agree_max(0 if ok else 1) == 0:
                 break
             n += 1
-        plan.append(bins)
+        plan.append(sorted(sorted(b) for b in bins))  # each micro-batch's rows in batch order
     return plan
 
 
@@ -120,25 +122,26 @@ def _packed_cost(rows: list[int], lengths: list[int]) -> int:
     return computed_tokens([lengths[r] for r in rows])
 
 
-def _first_fit_count(rows, lengths, budget, cost=_cost) -> int:
+def _first_fit(rows, lengths, budget, cost) -> list[list[int]]:
     bins: list[list[int]] = []
-    for r in sorted(rows, key=lambda r: -lengths[r]):
+    for r in sorted(rows, key=lambda r: (-lengths[r], r)):
         for b in bins:
             if cost(b + [r], lengths) <= budget:
                 b.append(r)
                 break
         else:
             bins.append([r])
-    return len(bins)
+    return bins
 
 
-def _balanced(rows, lengths, n, cost=_cost) -> list[list[int]]:
-    """Longest-first into the bin with the least cost so far; each bin's rows kept in batch order."""
-    n = min(n, len(rows))
-    bins: list[list[int]] = [[] for _ in range(n)]
-    for r in sorted(rows, key=lambda r: (-lengths[r], r)):
-        min(bins, key=lambda b: (cost(b + [r], lengths), len(b))).append(r)
-    return [sorted(b) for b in bins]
+def _split(bins: list[list[int]], n: int, lengths, cost) -> None:
+    """Halve the costliest micro-batch of several rows, its longer rows apart from its shorter, until there
+    are `n` (or every row is alone)."""
+    while len(bins) < n and any(len(b) > 1 for b in bins):
+        b = max((b for b in bins if len(b) > 1), key=lambda b: cost(b, lengths))
+        bins.remove(b)
+        b = sorted(b, key=lambda r: (-lengths[r], r))
+        bins += [b[:len(b) // 2], b[len(b) // 2:]]
 
 
 def _agree_max(x: int) -> int:
@@ -158,21 +161,16 @@ class RolloutStore:
         """The rows of (mini, micro), columns trimmed to the chunk's longest row, on the trainer's
         device; `lengths` as a host list."""
         if self.reads_left <= 0:
-            self._read()  # raises
+            raise KeyError("rollout store: read after the batch was released "
+                           "(the ahead pass ran but the reader count was not raised for it)")
+        self.reads_left -= 1
         picked = self.plan[mini][micro]
         lengths = [self.lengths[r] for r in picked]
         rows, T = torch.tensor(picked), max(lengths)
         out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.batch.items() if k != "lengths"}
-        self._read()
-        return {**to_device(out, self.device), "lengths": lengths}
-
-    def _read(self) -> None:
-        if self.reads_left <= 0:
-            raise KeyError("rollout store: read after the batch was released "
-                           "(the ahead pass ran but the reader count was not raised for it)")
-        self.reads_left -= 1
         if self.reads_left == 0:
-            self.batch = {}  # release the bulk
+            self.batch = {}  # release the bulk after its last reader
+        return {**to_device(out, self.device), "lengths": lengths}
 
     def close(self) -> None:
         if self.reads_left:

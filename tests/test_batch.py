@@ -1,5 +1,7 @@
 """batch.py: the rank-local store, the (mini, micro) plan and dispatch (B3, X1)."""
 
+import random
+
 import torch
 
 import pytest
@@ -48,7 +50,7 @@ def test_store_releases_after_last_reader_and_refuses_more():
         store.chunk(0, 0)
 
 
-def test_token_budget_plan_fits_balances_and_agrees(world):
+def test_token_budget_plan_fits_and_agrees(world):
     lengths = [30, 5, 5, 5, 28, 6, 7, 2]
     plan = plan_chunks(lengths, n_mini=2, micro_rows=0, max_tokens=40)
     for mini, bins in enumerate(plan):
@@ -56,6 +58,31 @@ def test_token_budget_plan_fits_balances_and_agrees(world):
         assert all(len(b) * max(lengths[r] for r in b) <= 40 or len(b) == 1 for b in bins)
     assert plan[0] == [[0], [1, 2, 3]]
     assert plan_chunks([50, 3], 1, 0, max_tokens=10) == [[[0], [1]]]  # over-budget row alone
+
+
+def test_a_token_budget_takes_the_fewest_padded_micro_batches_that_fit(world):
+    """X1: under a budget of rows x longest row, as few micro-batches as the best of every split of the rows
+    into ones that fit (up to 7 rows, each split tried), and a budget met exactly is met."""
+    def splits(rows: list[int]):
+        if not rows:
+            yield []
+            return
+        for rest in splits(rows[1:]):
+            for i in range(len(rest)):
+                yield rest[:i] + [[rows[0]] + rest[i]] + rest[i + 1:]
+            yield [[rows[0]]] + rest
+
+    def fits(b: list[int]) -> bool:
+        return len(b) * max(lengths[r] for r in b) <= budget or len(b) == 1
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths, budget = [rng.randint(1, 10) for _ in range(rng.randint(2, 7))], rng.randint(5, 40)
+        plan = plan_chunks(lengths, n_mini=1, micro_rows=0, max_tokens=budget)[0]
+        fewest = min(len(s) for s in splits(list(range(len(lengths)))) if all(map(fits, s)))
+        assert len(plan) == fewest and all(map(fits, plan)), (lengths, budget, plan)
+        assert sorted(r for b in plan for r in b) == list(range(len(lengths)))
+    assert plan_chunks([4, 4, 2], 1, 0, max_tokens=8) == [[[0, 1], [2]]]
 
 
 def test_a_group_travels_padded_and_comes_back_as_rows_with_the_reward_on_the_last_token():
