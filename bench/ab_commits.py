@@ -2,6 +2,7 @@
 
     python bench/ab_commits.py --base f4414f7                   # the CPU demo's step; about 5 minutes
     python bench/ab_commits.py --base f4414f7 --setup natural   # bench/vs_trl.py's 25M model, natural lengths
+    python bench/ab_commits.py --base f4414f7 --setup natural -- --model.no-packing   # more flags for both sides
 
 This machine's speed drifts by half between hours, so a "before" measured on one day and an
 "after" on another say little about the code. Here the base commit is checked out into a
@@ -31,11 +32,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the setup's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default=None, help="results file: bench/results/NAME.json (default: ab_SETUP)")
+    ap.add_argument("more", nargs="*", help="more flags for both sides' `python -m minirl.grpo`, after --")
     a = ap.parse_args()
     setup = SETUPS[a.setup]
     base = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    flags = minirl_flags(setup, a.steps or setup["steps"], setup["lr"], setup["completion"])
+    flags = minirl_flags(setup, a.steps or setup["steps"], setup["lr"], setup["completion"]) + a.more
     res = {side: {"step_s": [], "generate_s": [], "pairs": []} for side in ("base", "head")}
     with tempfile.TemporaryDirectory() as tmp:
         tree = os.path.join(tmp, "base")

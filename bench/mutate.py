@@ -43,7 +43,10 @@ TESTS = {  # module -> the unit tests that guard it
     "sampler": ["tests/test_sampler.py"],
     "rewards": ["tests/test_rewards.py"],
     "batch": ["tests/test_batch.py", "tests/test_packing.py"],
-    "config": ["tests/test_config.py"],
+    "config": ["tests/test_config.py", "tests/test_tasks.py",  # the data flags' checks; the helpers' callers:
+               "tests/test_models.py::test_a_model_path_is_a_folder_a_fetched_hub_name_or_refused_naming_both",
+               "tests/test_launch.py::test_an_unreadable_config_file_is_named_with_the_parsers_first_line_cut_at_160_"
+               "characters"],
     "config_grpo": ["tests/test_config.py", "tests/test_grpo_update.py"],
     "config_ppo": ["tests/test_config.py"],
     "tasks": ["tests/test_tasks.py", "tests/test_rewards.py",  # the load's two hints, said by the first rank,
