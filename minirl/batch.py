@@ -86,14 +86,15 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0, packed: bool = False) -> Plan:
+def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: int = 0, cost=None) -> Plan:
     """Rows of each mini-batch (contiguous, equal) split into micro-batches.
 
     max_tokens == 0: consecutive slices of `micro_rows` rows. max_tokens > 0: micro-batches whose computed
-    tokens (padded, or the packed lanes' when `packed`) fit the budget, longest rows first, each into the
-    first that has room (first fit decreasing: rows of like length together, so little is padding), the
-    SAME count on every rank (a collective: FSDP needs equal calls): a rank that needs fewer halves its
-    costliest. A row over the budget gets a micro-batch of its own."""
+    tokens (`cost` of their rows' lengths: the trainer's `models.computed_tokens`; by default padded) fit the
+    budget, longest rows first, each into the first that has room (first fit decreasing: rows of like length
+    together, so little is padding), the SAME count on every rank (a collective: FSDP needs equal calls): a
+    rank that needs fewer halves its costliest. A row over the budget gets a micro-batch of its own."""
+    tokens = lambda rows: (cost or padded_tokens)([lengths[r] for r in rows])  # noqa: E731
     per_mini = len(lengths) // n_mini
     plan = []
     for mini in range(n_mini):
@@ -101,12 +102,11 @@ def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: in
         if not max_tokens:
             plan.append([rows[i:i + micro_rows] for i in range(0, per_mini, micro_rows)])
             continue
-        cost = _packed_cost if packed else _cost
-        bins = _first_fit(rows, lengths, max_tokens, cost)
+        bins = _first_fit(rows, lengths, max_tokens, tokens)
         n = _agree_max(len(bins))
         while True:
-            _split(bins, n, lengths, cost)
-            ok = all(cost(b, lengths) <= max_tokens or len(b) == 1 for b in bins)
+            _split(bins, n, lengths, tokens)
+            ok = all(tokens(b) <= max_tokens or len(b) == 1 for b in bins)
             if _agree_max(0 if ok else 1) == 0:
                 break
             n += 1
@@ -114,19 +114,16 @@ def plan_chunks(lengths: list[int], n_mini: int, micro_rows: int, max_tokens: in
     return plan
 
 
-def _cost(rows: list[int], lengths: list[int]) -> int:
-    return len(rows) * max((lengths[r] for r in rows), default=0)  # padded tokens of the chunk
+def padded_tokens(lengths: list[int]) -> int:
+    """Tokens a padded forward of rows this long computes: rows x the longest."""
+    return len(lengths) * max(lengths, default=0)
 
 
-def _packed_cost(rows: list[int], lengths: list[int]) -> int:
-    return computed_tokens([lengths[r] for r in rows])
-
-
-def _first_fit(rows, lengths, budget, cost) -> list[list[int]]:
+def _first_fit(rows, lengths, budget, tokens) -> list[list[int]]:
     bins: list[list[int]] = []
     for r in sorted(rows, key=lambda r: (-lengths[r], r)):
         for b in bins:
-            if cost(b + [r], lengths) <= budget:
+            if tokens(b + [r]) <= budget:
                 b.append(r)
                 break
         else:
@@ -134,11 +131,11 @@ def _first_fit(rows, lengths, budget, cost) -> list[list[int]]:
     return bins
 
 
-def _split(bins: list[list[int]], n: int, lengths, cost) -> None:
+def _split(bins: list[list[int]], n: int, lengths, tokens) -> None:
     """Halve the costliest micro-batch of several rows, its longer rows apart from its shorter, until there
     are `n` (or every row is alone)."""
     while len(bins) < n and any(len(b) > 1 for b in bins):
-        b = max((b for b in bins if len(b) > 1), key=lambda b: cost(b, lengths))
+        b = max((b for b in bins if len(b) > 1), key=tokens)
         bins.remove(b)
         b = sorted(b, key=lambda r: (-lengths[r], r))
         bins += [b[:len(b) // 2], b[len(b) // 2:]]

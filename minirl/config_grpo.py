@@ -27,8 +27,8 @@ class RLConfig(OptimConfig):
     """Trajectories per forward/backward; 0 = the whole mini-batch (no accumulation)."""
     max_tokens_per_micro_batch: int = 0
     """Token-budgeted micro-batching: split each mini-batch into micro-batches of at most this many
-    computed tokens (packed lanes with --model.packing, else rows x longest row), rows of like length
-    together (0 = off; replaces --rl.micro-batch-per-replica)."""
+    computed tokens (packed lanes with --model.packing, one lane under flash attention, else rows x longest
+    row), rows of like length together (0 = off; replaces --rl.micro-batch-per-replica)."""
     mu_iterations: int = 1
     """Inner PPO epochs over one collected batch, all scored against the frozen pi_old."""
     grad_accum: tyro.conf.Suppress[int] = 1

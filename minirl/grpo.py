@@ -99,7 +99,7 @@ def train(ready: launch.Ready) -> dict:
                 advantages = group_advantages(rewards, G, rl.scale_by_std)        # (B_r,)
                 batch = pack(samples, advantages, ready.pad_id)                  # (B_r, T) tensors
                 chunks = plan_chunks(batch["lengths"].tolist(), args.n_mini, args.micro_batch // dp,
-                                     rl.max_tokens_per_micro_batch, packed=policy.pack_rows)
+                                     rl.max_tokens_per_micro_batch, lambda rows: models.computed_tokens(policy, rows))
                 ahead = args.needs_cached_old_logprobs
                 store = RolloutStore(batch, chunks, reads_per_chunk=rl.mu_iterations + ahead,  # B18: same predicate
                                      device=world.device)
@@ -174,7 +174,7 @@ def update(policy, ref, acc: Accumulator, store: RolloutStore, args: GRPOArgs, p
                     old = at_sampling if at_sampling is not None else logp.detach()
                 loss, divisor, m = policy_loss(logp, old, c["advantages"], c["mask"], ref_logp=ref_logp, entropy=entropy,
                                                **rl.loss_options(args.rollout.max_tokens))
-                m["grpo_computed_tokens"] = models.computed_tokens(policy, c["input_ids"], c["lengths"])
+                m["grpo_computed_tokens"] = models.computed_tokens(policy, c["lengths"])
                 if at_sampling is not None:
                     m["grpo_logprob_gap"] = logprob_gap(at_sampling, c["rollout_logp"], c["mask"])
                 calls.append(m)

@@ -325,9 +325,12 @@ def plain_token_logprobs(model: nn.Module, input_ids: torch.Tensor, entropy: boo
 
 def layout(model: nn.Module, input_ids: torch.Tensor, lengths) -> Layout | None:
     """The batch's packed layout, or None to run it padded (no packing, no lengths, or nothing to save)."""
-    if computed_tokens(model, input_ids, lengths) >= input_ids.numel():
+    if lengths is None or not getattr(model, "pack_rows", False):
         return None
-    return Layout.of(_ints(lengths), input_ids.shape[1], batch.one_lane(model)).to(input_ids.device)
+    rows = _ints(lengths)
+    if computed_tokens(model, rows) >= input_ids.numel():
+        return None
+    return Layout.of(rows, input_ids.shape[1], batch.one_lane(model)).to(input_ids.device)
 
 
 def _ints(lengths) -> list[int]:
@@ -339,13 +342,12 @@ def adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def computed_tokens(model: nn.Module, input_ids: torch.Tensor, lengths) -> int:
-    """Tokens a forward of this batch computes: the packed lanes', or rows x columns padded."""
-    if lengths is None or not getattr(model, "pack_rows", False):
-        return input_ids.numel()
-    rows = _ints(lengths)
-    packed = sum(rows) if batch.one_lane(model) else batch.computed_tokens(rows)
-    return min(packed, input_ids.numel())
+def computed_tokens(model: nn.Module, lengths: list[int]) -> int:
+    """Tokens a forward of rows this long computes (columns trimmed to the longest): the packed lanes', one
+    lane's under flash attention, or padded. A token budget's micro-batches are planned by it."""
+    if not getattr(model, "pack_rows", False):
+        return batch.padded_tokens(lengths)
+    return sum(lengths) if batch.one_lane(model) else batch.computed_tokens(lengths)
 
 
 def _before(x: torch.Tensor, lay: Layout | None) -> torch.Tensor:

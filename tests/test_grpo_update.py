@@ -285,6 +285,26 @@ def test_the_loop_samples_each_steps_prompts_in_order_and_reports_the_whole_batc
     assert not list((tmp_path / "checkpoints").glob("step_*"))  # no --checkpoint.every: no step saves
 
 
+def test_the_loop_plans_a_token_budget_by_the_tokens_its_policy_computes(world, tmp_path, monkeypatch):
+    """X1 through grpo.main: under --rl.max-tokens-per-micro-batch each step's micro-batches are planned by the
+    policy's own count of computed tokens (packed lanes here: rows of 5, 3 and 1 tokens cost 2 lanes x 5, not
+    3 rows x 5 padded nor 9 in one lane), and each fits the budget or holds one row."""
+    plan_chunks, costs = grpo.plan_chunks, []
+
+    def planned(lengths, n_mini, micro_rows, max_tokens, cost):
+        plan = plan_chunks(lengths, n_mini, micro_rows, max_tokens, cost)
+        costs.append([(cost([lengths[r] for r in micro]), len(micro)) for mini in plan for micro in mini])
+        assert cost([5, 3, 1]) == 10
+        return plan
+
+    monkeypatch.setattr(grpo, "plan_chunks", planned)
+    monkeypatch.setattr(grpo, "Engine", ScriptedEngine)
+    grpo.main(["--steps", "2", "--rl.batch-per-replica", "8", "--rl.group-size", "2", "--log.eval-every", "0",
+               "--rl.max-tokens-per-micro-batch", "64", "--log.run-dir", str(tmp_path)])
+    assert len(costs) == 2 and all(len(step) > 1 for step in costs)
+    assert all(tokens <= 64 or rows == 1 for step in costs for tokens, rows in step)
+
+
 def test_the_loop_stops_after_its_limit_of_batches_that_took_no_update(world, tmp_path, monkeypatch):
     """Rewards NaN from step 1 on (the tests' fault): every window of those batches is skipped, so with
     --rl.max-skipped-steps 2 the run stops at step 2 (exit 3's StalledError), nothing saved after a step

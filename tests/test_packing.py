@@ -116,7 +116,8 @@ def test_only_models_that_keep_packed_rows_apart_are_packed(tiny_path, world, mo
 
 def test_the_critic_packs_in_one_lane_where_its_backbone_runs_flash_attention(tiny_path):
     """transformers keeps packed rows apart under flash attention at batch size 1 only: where the backbone
-    runs it, the critic's rows go into one lane as the policy's do (the check at load assumes so)."""
+    runs it, the critic's rows go into one lane as the policy's do (the check at load assumes so), and a token
+    budget counts that lane's tokens."""
     policy, value = models.load_policy(tiny_path), models.load_value(tiny_path)
     ids, lengths = torch.zeros(4, 10, dtype=torch.long), [10, 3, 4, 5]
     policy.pack_rows = value.pack_rows = True
@@ -125,7 +126,10 @@ def test_the_critic_packs_in_one_lane_where_its_backbone_runs_flash_attention(ti
         backbone.config._attn_implementation = "flash_attention_2"  # the setting only: no kernel runs here
     for model in (policy, value):
         lay = models.layout(model, ids, lengths)
-        assert (lay.lanes, lay.capacity) == (1, 22) and models.computed_tokens(model, ids, lengths) == 22
+        assert (lay.lanes, lay.capacity) == (1, 22) and models.computed_tokens(model, lengths) == 22
+        # a token budget counts that lane's tokens: 22 fit in one micro-batch (3 lanes x 10 would not)
+        assert plan_chunks(lengths, 1, 0, max_tokens=22, cost=lambda rows: models.computed_tokens(model, rows)) == [
+            [[0, 1, 2, 3]]]
     assert models.packing_error(value) is None  # packed, on the promise of one lane
 
 
@@ -144,7 +148,7 @@ def test_packed_token_budget_counts_computed_tokens():
     fewer micro-batches, and every micro-batch fits it."""
     lengths = [40, 3, 5, 2, 38, 4, 6, 3] * 4
     padded = plan_chunks(lengths, 1, 0, max_tokens=96)
-    packed = plan_chunks(lengths, 1, 0, max_tokens=96, packed=True)
+    packed = plan_chunks(lengths, 1, 0, max_tokens=96, cost=batch.computed_tokens)
     assert len(packed[0]) < len(padded[0])
     for micro in packed[0]:
         assert batch.computed_tokens([lengths[r] for r in micro]) <= 96 or len(micro) == 1

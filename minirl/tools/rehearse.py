@@ -98,14 +98,14 @@ def child(args, module) -> list[str]:
 
 def _grpo_batch(args, world):
     """This rank's first mini-batch in a RolloutStore, planned as grpo.train plans it."""
-    from minirl.batch import RolloutStore, pack, plan_chunks
+    from minirl.batch import RolloutStore, computed_tokens, pack, plan_chunks
     rows, micro = args.mini_batch // world.world_size, args.micro_batch // world.world_size
     # the first micro-batch packs two short rows; the later ones, full length, meet the gradients already
     # resident: the step's peak
     short = {0, 1} if 2 <= micro < rows else set()
     batch = pack(_samples(rows, short, args), torch.ones(rows), 0)
     chunks = plan_chunks(batch["lengths"].tolist(), 1, micro, args.rl.max_tokens_per_micro_batch,
-                         packed=args.model.packing)
+                         computed_tokens if args.model.packing else None)
     return RolloutStore(batch, chunks, reads_per_chunk=1 + args.needs_cached_old_logprobs, device=world.device)
 
 
