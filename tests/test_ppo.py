@@ -766,8 +766,10 @@ def colocated_straight(tmp_path_factory):
 @e2e
 def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(colocated_straight, tmp_path):
     """One process generates and trains; the engine sleeps through both updates and wakes at the
-    refit after critic training. Resuming from the step-2 checkpoint reproduces step 2 and the final policy."""
+    refit after critic training. Resuming from the step-2 checkpoint reproduces step 2 and the final policy.
+    The one engine's own output is in engine.log (per-rank names are for several engines)."""
     straight = colocated_straight
+    assert (straight / "engine.log").stat().st_size > 0 and not list(straight.glob("engine_rank*.log"))
     p = ppo(1, tmp_path, *COLOCATED, "--checkpoint.resume", str(straight / "checkpoints" / "step_00000002"))
     assert p.returncode == 0
     a, b = steps_logged(straight), steps_logged(tmp_path)
