@@ -85,6 +85,8 @@ def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
     # each rank scores half the held-out prompts; rank 0 writes them all, in the set's order
     held = lambda d: [(r["prompt"], r["eval_version"]) for r in map(json.loads, open(d / "samples.jsonl"))]  # noqa: E731
     assert held(tmp_path) == held(d1)
+    # two engines, a log each: one file shared by both would interleave their lines
+    assert {f.name for f in tmp_path.glob("engine*.log")} == {"engine_rank0.log", "engine_rank1.log"}
     a, b = load_file(d1 / "final" / "model.safetensors"), load_file(tmp_path / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
