@@ -19,11 +19,13 @@ world = dist.init()
 r = world.rank
 
 # ---- (1) X1: rank 0's rows need 3 micro-batches of a 40-token budget, rank 1's fit in one ----
-lengths = [20, 20, 20, 20, 20, 20] if r == 0 else [2, 2, 2, 2, 2, 2]  # padded cost: rows x longest
+lengths = [20, 20, 20, 20, 20, 20] if r == 0 else [2, 3, 2, 1, 3, 2]  # padded cost: rows x longest
 plan = plan_chunks(lengths, n_mini=1, micro_rows=0, max_tokens=40)
 alone = 3 if r == 0 else 1
 assert len(plan[0]) == 3, f"rank {r}: {len(plan[0])} micro-batches; alone it needs {alone}, the mesh 3"
 assert sorted(i for b in plan[0] for i in b) == list(range(6)) and all(b for b in plan[0])
+if r == 1:  # its one micro-batch halved, longer rows apart from shorter ([1, 4, 0] | [2, 5, 3]), then the costlier
+    assert plan[0] == [[0, 4], [1], [2, 3, 5]], plan[0]
 print(f"rank {r}: X1 micro-batches {len(plan[0])} (alone {alone})", flush=True)
 
 
