@@ -86,6 +86,7 @@ def test_prompt_over_the_budget_is_an_error_not_cut():
                                         'string or a number, got a bool; name its column with --task.answer-key'),
     ('{"prompt": {"text": "q"}, "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
     ('{"prompt": [{"role": "user"}], "answer": "1"}', '"prompt" must be a string or a list of chat messages'),
+    ('{"prompt": [{"content": "q"}], "answer": "1"}', 'got message 1 as {"content": "q"} (its role and content'),
     ('{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "image_url", '
      '"image_url": {"url": "a.png"}}]}], "answer": "1"}', 'got message 2 as {"role": "user", "content": [{"type": '
                                                          '"image_url", "image_url": {"url": "a.png"}}]} (its role and '
