@@ -162,7 +162,7 @@ def run_tests(workdir: str, tests: list[str], timeout: float, marks: str) -> tup
 
 def copy_repo() -> str:
     d = tempfile.mkdtemp(prefix="minirl-mutate-")
-    for name in ("minirl", "tests", "docs", "recipes", "README.md", "pyproject.toml"):  # tests read the docs
+    for name in ("minirl", "tests", "docs", "recipes", "README.md", "pyproject.toml", "Makefile"):  # tests read them
         src = os.path.join(ROOT, name)
         (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, os.path.join(d, name))
     return d
