@@ -173,23 +173,34 @@ def roll_up(calls: list[dict]) -> dict:
 
 def across_ranks(metrics: dict) -> dict:
     """One record for the whole data-parallel group (a collective). Counts are summed over ranks but the
-    divisor (already a DP mean); `*_max` and the shared skip counts take the max; everything else the
-    mean, which is exact for a loss normalized by the shared divisor."""
+    divisor (already a DP mean); `*_max` and the shared skip counts take the max; a per-token rate is
+    weighted by its family's `<prefix>_tokens` on each rank, as `roll_up` weighs calls, so ranks holding
+    unequal token counts log the whole batch's value; everything else the mean, which is exact for a loss
+    normalized by the shared divisor."""
     keys = sorted(metrics)
     if not keys:
         return {}
+
+    def weight(k: str) -> float:
+        tokens = f"{k.split('_', 1)[0]}_tokens"
+        rate = tokens in metrics and not k.endswith(("_loss",) + COUNTS + MAXIMA + SHARED)
+        return float(metrics[tokens]) if rate else 1.0
+
     vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    summed = dist.all_reduce(vals.clone(), "sum")
-    maxed = dist.all_reduce(vals.clone(), "max")
+    w = torch.tensor([weight(k) for k in keys], dtype=torch.float64)
+    summed, weighted, weights = dist.all_reduce(torch.cat([vals, vals * w, w]), "sum").view(3, -1).tolist()
+    maxed = dist.all_reduce(vals.clone(), "max").tolist()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     out = {}
     for i, k in enumerate(keys):
         if k.endswith("_denom"):
             out[k] = metrics[k]
         elif k.endswith(MAXIMA + SHARED):
-            out[k] = maxed[i].item()
+            out[k] = maxed[i]
         elif k.endswith(COUNTS):
-            out[k] = summed[i].item()
-        else:
-            out[k] = summed[i].item() / world
+            out[k] = summed[i]
+        elif world > 1 and weights[i] > 0:
+            out[k] = weighted[i] / weights[i]
+        else:  # one rank's own value as it is; no tokens on any rank: the plain mean
+            out[k] = summed[i] / world
     return out

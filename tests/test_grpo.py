@@ -82,6 +82,8 @@ def test_two_rank_torchrun_matches_one_rank(one_rank, tmp_path):
     assert p.returncode == 0
     r1, r2 = records(d1), records(tmp_path)
     assert [r["reward_mean"] for r in r1] == [r["reward_mean"] for r in r2]
+    for key in ("grpo_loss", "entropy"):  # a per-token rate weighted by each rank's tokens (B13)
+        assert [r[key] for r in r2] == pytest.approx([r[key] for r in r1], rel=1e-4), key
     # each rank scores half the held-out prompts; rank 0 writes them all, in the set's order
     held = lambda d: [(r["prompt"], r["eval_version"]) for r in map(json.loads, open(d / "samples.jsonl"))]  # noqa: E731
     assert held(tmp_path) == held(d1)

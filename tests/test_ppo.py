@@ -780,6 +780,22 @@ def test_colocated_full_batch_with_two_policy_epochs_resumes_exactly(colocated_s
 
 
 @e2e
+def test_two_colocated_ranks_match_one(colocated_straight, tmp_path):
+    """torchrun --nproc-per-node 2 --grid.gpu-placement colocated: an engine and an FSDP2 shard of policy and
+    critic on each rank, each rank generating its half of the groups, reach what one process reaches: the
+    rewards, the losses, the per-token rates weighted by each rank's tokens (B13), the final weights."""
+    p = ppo(2, tmp_path, *COLOCATED)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one, two = steps_logged(colocated_straight), steps_logged(tmp_path)
+    assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
+    for key in ("ppo_loss", "value_loss", "ppo_clipfrac", "value_clipfrac", "entropy"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-4, abs=1e-6), key
+    assert {f.name for f in tmp_path.glob("engine*.log")} == {"engine_rank0.log", "engine_rank1.log"}
+    a, b = final_weights(colocated_straight), final_weights(tmp_path)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+@e2e
 @pytest.mark.parametrize("point", ["kill_mid_file", "kill_in_save", "sigterm"])
 def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(colocated_straight, tmp_path, point):
     """kill -9 while step 2's checkpoint is written (a data file cut short; the data complete, no

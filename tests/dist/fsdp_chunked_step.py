@@ -1,7 +1,7 @@
 """Two ranks, FSDP2 over gloo: one optimizer step whose mini-batch is split over 2 ranks x 2 micro-batches
 of unequal lengths equals the single-process step on the whole batch; the logged loss and counts,
-rolled up per rank and then across ranks (B13), equal the whole batch's token mean and totals though
-the ranks hold unequal token counts, and a skip count every rank shares is not summed over them; the
+rolled up per rank and then across ranks (B13), equal the whole batch's token mean, totals and per-token
+rates though the ranks hold unequal token counts, and a skip count every rank shares is not summed over them; the
 full parameters gathered for the engine equal the trainer's; in bf16 compute the gradients are reduced
 in float32 (the float32 mean of the ranks' bf16 gradients). Run by tests/test_dist.py under torchrun --standalone."""
 
@@ -71,6 +71,12 @@ assert abs(logged["grpo_denom"] * world.world_size - mask.sum().item()) < 1e-6  
 # counts every rank holds alike (a skip is decided by an all-reduce) are not multiplied by the world
 shared = across_ranks({"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0, "grpo_n": 3.0})
 assert shared == {"skipped_nonfinite": 1.0, "value_skipped_nonfinite": 2.0, "grpo_n": 6.0}, shared
+
+# a per-token rate is the whole batch's, weighted by each rank's tokens (1 clipped token of 2 here, none of 6
+# there: 1 of 8, not the mean of the ranks' halves); a loss (normalized by the shared divisor) is the mean
+mine = {"ppo_clipfrac": 0.5, "ppo_tokens": 2.0, "ppo_loss": 0.25, "grad_norm": 3.0} if world.rank == 0 else \
+    {"ppo_clipfrac": 0.0, "ppo_tokens": 6.0, "ppo_loss": 0.75, "grad_norm": 3.0}
+assert across_ranks(mine) == {"ppo_clipfrac": 0.125, "ppo_tokens": 8.0, "ppo_loss": 0.5, "grad_norm": 3.0}
 
 grad_diff = max((seen[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
 grad_max = max(g.abs().max().item() for g in ref_grads.values())  # float32 sums in another order: relative
