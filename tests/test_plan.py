@@ -317,8 +317,8 @@ def test_a_block_fake_tensors_cannot_run_is_counted_as_a_qwen2_block_of_its_widt
     widths, 8h + 2kv + 4i values in the compute dtype and 2h in float32 (a real Qwen2 block keeps that but
     about two hidden-size vectors: `test_the_activation_term_is_what_the_familys_own_blocks_save_for_backward`)."""
     hf = plan.with_sizes(dict(model_type="jetmoe", vocab_size=100, hidden_size=128, intermediate_size=256,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=32))
-    h, i, kv = 128, 256, 2 * 32
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=16))
+    h, i, kv = 128, 256, 2 * 16  # a head narrower than hidden / heads: the config's is read
     for dtype, c in (("bfloat16", 2), ("float32", 4)):
         block = c * (8 * h + 2 * kv + 4 * i) + 8 * h
         assert plan.saved_per_token(json.dumps(hf, sort_keys=True), dtype, 64) == (2 * block, block)
