@@ -158,9 +158,7 @@ def roll_up(calls: list[dict]) -> dict:
         elif k.endswith(MAXIMA):
             out[k] = v.max()
         else:
-            family = k.split("_", 1)[0]  # the loss by its divisor; a per-token rate by its tokens
-            weights = [f"{family}_denom"] if k.endswith("_loss") else [f"{family}_tokens", f"{family}_denom"]
-            weight = next((w for w in weights if all(w in c for c in with_k)), None)
+            weight = _weight_key(k, lambda w: all(w in c for c in with_k))
             if weight is not None:
                 w = torch.stack([as_t(c[weight]) for c in with_k])
                 total = w.sum()
@@ -171,23 +169,26 @@ def roll_up(calls: list[dict]) -> dict:
     return dict(zip(out, values))
 
 
+def _weight_key(k: str, has) -> str | None:
+    """The key a family's metric `k` is weighted by where `has(key)`: its loss by its divisor `<prefix>_denom`,
+    its other keys (per-token rates) by its `<prefix>_tokens`, else by the divisor; None: a plain mean."""
+    family = k.split("_", 1)[0]
+    names = [f"{family}_denom"] if k.endswith("_loss") else [f"{family}_tokens", f"{family}_denom"]
+    return next((w for w in names if has(w)), None)
+
+
 def across_ranks(metrics: dict) -> dict:
     """One record for the whole data-parallel group (a collective). Counts are summed over ranks but the
-    divisor (already a DP mean); `*_max` and the shared skip counts take the max; a per-token rate is
-    weighted by its family's `<prefix>_tokens` on each rank, as `roll_up` weighs calls, so ranks holding
-    unequal token counts log the whole batch's value; everything else the mean, which is exact for a loss
-    normalized by the shared divisor."""
+    divisor (already a DP mean); `*_max` and the shared skip counts take the max; the rest is weighted by
+    each rank's weight as `roll_up` weighs calls (`_weight_key`): a per-token rate by the rank's tokens, so
+    ranks holding unequal token counts log the whole batch's value, a loss by the divisor every rank shares
+    (the mean, exact for a loss normalized by it); a key of no family, the mean."""
     keys = sorted(metrics)
     if not keys:
         return {}
-
-    def weight(k: str) -> float:
-        tokens = f"{k.split('_', 1)[0]}_tokens"
-        rate = tokens in metrics and not k.endswith(("_loss",) + COUNTS + MAXIMA + SHARED)
-        return float(metrics[tokens]) if rate else 1.0
-
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    w = torch.tensor([weight(k) for k in keys], dtype=torch.float64)
+    names = [_weight_key(k, metrics.__contains__) for k in keys]
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)  # host numbers: gloo reduces them
+    w = torch.tensor([float(metrics[n]) if n else 1.0 for n in names], dtype=torch.float64)
     summed, weighted, weights = dist.all_reduce(torch.cat([vals, vals * w, w]), "sum").view(3, -1).tolist()
     maxed = dist.all_reduce(vals.clone(), "max").tolist()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -201,6 +202,6 @@ def across_ranks(metrics: dict) -> dict:
             out[k] = summed[i]
         elif world > 1 and weights[i] > 0:
             out[k] = weighted[i] / weights[i]
-        else:  # one rank's own value as it is; no tokens on any rank: the plain mean
+        else:  # one rank's own value as it is; no weight on any rank: the plain mean
             out[k] = summed[i] / world
     return out
