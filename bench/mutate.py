@@ -150,11 +150,13 @@ def mutate(tree: ast.AST, index: int, how: str) -> tuple[ast.AST, int, str]:
 
 def run_tests(workdir: str, tests: list[str], timeout: float, marks: str) -> tuple[bool, float]:
     """(passed, seconds) for `tests` of pytest's `marks` in `workdir`."""
+    # the copy's minirl in every process the tests start: a script (tests/dist/*.py) or a console script
+    # would otherwise import the editable install's, the unmutated working tree
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": workdir}
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m",
-                            marks, *tests], cwd=workdir, capture_output=True,
-                           timeout=timeout, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+                            marks, *tests], cwd=workdir, capture_output=True, timeout=timeout, env=env)
         return p.returncode == 0, time.perf_counter() - t0
     except subprocess.TimeoutExpired:
         return False, time.perf_counter() - t0

@@ -78,6 +78,12 @@ mine = {"ppo_clipfrac": 0.5, "ppo_tokens": 2.0, "ppo_loss": 0.25, "grad_norm": 3
     {"ppo_clipfrac": 0.0, "ppo_tokens": 6.0, "ppo_loss": 0.75, "grad_norm": 3.0}
 assert across_ranks(mine) == {"ppo_clipfrac": 0.125, "ppo_tokens": 8.0, "ppo_loss": 0.5, "grad_norm": 3.0}
 
+# one token in the whole batch: the rate is that token's rank's; a family with no token on any rank (an all-masked
+# batch) is the ranks' mean, never 0 / 0
+edge = {"grpo_entropy": 2.0, "grpo_tokens": 1.0, "value_clipfrac": 0.5, "value_tokens": 0.0} if world.rank == 0 else \
+    {"grpo_entropy": 0.0, "grpo_tokens": 0.0, "value_clipfrac": 0.0, "value_tokens": 0.0}
+assert across_ranks(edge) == {"grpo_entropy": 2.0, "grpo_tokens": 1.0, "value_clipfrac": 0.25, "value_tokens": 0.0}
+
 grad_diff = max((seen[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
 grad_max = max(g.abs().max().item() for g in ref_grads.values())  # float32 sums in another order: relative
 full = dict(dist.full_parameters(policy))
